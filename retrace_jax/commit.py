@@ -1,0 +1,46 @@
+"""Committing tokens to the per-row output buffer: stop tokens, ``max_new_tokens`` and finished rows.
+
+Plain decoding commits one token per step; speculative decoding commits ``a + 1`` per round. Both go
+through :func:`commit`, so the two loops cannot disagree on where a generation ends.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class OutputBuffer:
+    tokens: jax.Array  # [B, N] new tokens; entries >= num[b] are padding
+    num: jax.Array  # [B] int32: tokens committed so far
+    done: jax.Array  # [B] bool: stop token committed or max_new_tokens reached
+
+    @classmethod
+    def empty(cls, batch: int, capacity: int, done_b=None):
+        done = jnp.zeros((batch,), bool) if done_b is None else done_b
+        return cls(jnp.zeros((batch, capacity), jnp.int32), jnp.zeros((batch,), jnp.int32), done)
+
+
+def commit(buf: OutputBuffer, new_bk, count_b, max_new, stop_ids) -> OutputBuffer:
+    """Appends ``new[b, :count[b]]`` to each unfinished row.
+
+    A row keeps tokens up to and including its first stop token and never more than ``max_new`` in
+    all; it is then done and later commits leave it unchanged. ``stop_ids`` is padded with -1.
+    """
+    batch, k = new_bk.shape
+    slot = jnp.arange(k, dtype=jnp.int32)[None, :]  # [1, K]
+    offered = slot < count_b[:, None]
+    is_stop = offered & jnp.any(new_bk[:, :, None] == stop_ids[None, None, :], axis=-1)
+    first_stop = jnp.where(jnp.any(is_stop, -1), jnp.argmax(is_stop, -1), k)  # [B]
+    take = jnp.minimum(jnp.minimum(count_b, first_stop + 1), max_new - buf.num)
+    take = jnp.where(buf.done, 0, jnp.maximum(take, 0))
+    keep = slot < take[:, None]
+    capacity = buf.tokens.shape[1]
+    pos = jnp.where(keep, buf.num[:, None] + slot, capacity)  # out-of-range index: dropped
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, k))
+    tokens = buf.tokens.at[rows, pos].set(new_bk.astype(jnp.int32), mode="drop")
+    num = buf.num + take
+    hit_stop = jnp.any(is_stop & keep, axis=-1)
+    return OutputBuffer(tokens, num, buf.done | hit_stop | (num >= max_new))

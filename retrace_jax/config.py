@@ -1,0 +1,113 @@
+"""Model configuration read from a Hugging Face ``config.json``.
+
+One frozen dataclass describes every supported decoder (Qwen3, Qwen2/Qwen2.5, Llama); the families differ
+only by the flags below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+
+
+class ConfigError(ValueError):
+    """A config.json that this library cannot run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and flags of a decoder-only transformer (hashable: used as a static jit argument)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2: always; Qwen3/Llama: attention_bias
+    o_bias: bool  # Qwen3/Llama: attention_bias; Qwen2: never
+    mlp_bias: bool  # Llama's mlp_bias
+    qk_norm: bool  # Qwen3 only
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Builds a config from the dict of a Hugging Face ``config.json``."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        _check_rope(hf)
+        heads = _required(hf, "num_attention_heads")
+        hidden = _required(hf, "hidden_size")
+        attention_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=_required(hf, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_required(hf, "intermediate_size"),
+            num_layers=_required(hf, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hidden // heads,
+            rope_theta=float(rope_theta(hf)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=True if model_type == "qwen2" else attention_bias,
+            o_bias=False if model_type == "qwen2" else attention_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)) if model_type == "llama" else False,
+            qk_norm=model_type == "qwen3",
+        )
+
+
+def read_config_json(directory: str) -> dict[str, Any]:
+    """Reads ``directory/config.json`` with a clear error when it is missing."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"model directory not found: {directory}")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in {directory}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def rope_theta(hf: dict[str, Any]) -> float:
+    """``rope_theta`` at the top level (older files) or under ``rope_parameters`` (transformers 5)."""
+    params = hf.get("rope_parameters") or {}
+    if "rope_theta" in params:
+        return params["rope_theta"]
+    if "rope_theta" in hf:
+        return hf["rope_theta"]
+    return 10000.0
+
+
+def _check_rope(hf: dict[str, Any]) -> None:
+    for key in ("rope_parameters", "rope_scaling"):
+        params = hf.get(key) or {}
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind != "default":
+            raise ConfigError(f"unsupported RoPE scaling {kind!r} in {key}; only default RoPE is implemented")
+
+
+def _required(hf: dict[str, Any], key: str):
+    if key not in hf:
+        raise ConfigError(f"config.json lacks {key!r}")
+    return hf[key]

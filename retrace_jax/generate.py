@@ -1,0 +1,112 @@
+"""``generate``: the public entry point. Validates and pads the batch, runs one compiled program."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from retrace_jax.plain_loop import plain_generate
+from retrace_jax.target import TargetModel
+
+MIN_BUCKET = 16
+STOP_BUCKET = 8
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+    tokens: list[list[int]]  # the new tokens of each prompt (up to and including a stop token)
+    acceptance_lengths: list[list[int]]  # per prompt, tokens committed per round
+
+    def tau(self) -> float:
+        """Mean acceptance length: the mean over prompts of each prompt's mean over rounds."""
+        per_prompt = [np.mean(a) for a in self.acceptance_lengths if a]
+        return float(np.mean(per_prompt)) if per_prompt else float("nan")
+
+    def tau_pooled(self) -> float:
+        """Mean acceptance length pooled over all rounds of all prompts."""
+        rounds = [x for a in self.acceptance_lengths for x in a]
+        return float(np.mean(rounds)) if rounds else float("nan")
+
+
+def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
+    """The padded size for ``n``: the next power of two, at least ``minimum``."""
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+def generate(
+    target: TargetModel,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int = 64,
+    *,
+    drafter=None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_token_ids: Sequence[int] = (),
+    seed: int = 0,
+) -> GenerateOutput:
+    """Generates up to ``max_new_tokens`` for each prompt (token ids) in one compiled program.
+
+    The batch, prompt length, ``max_new_tokens`` and stop list are padded to buckets, so calls whose
+    sizes fall into the same buckets reuse the compiled program.
+    """
+    if drafter is not None:
+        raise NotImplementedError("speculative decoding with a drafter is not available yet")
+    if temperature != 0.0 or top_k != 0 or top_p != 1.0:
+        raise NotImplementedError("sampling (temperature/top_k/top_p) is not available yet; use greedy")
+    batch = _check_prompts(target, prompts, max_new_tokens)
+    capacity = bucket(max_new_tokens)
+    tokens, lens, live = _pad_prompts(prompts, bucket(batch, 1), bucket(max(map(len, prompts))))
+    stops = _pad_stops(stop_token_ids, target.cfg.vocab_size)
+    graphdef, state = nnx.split(target)
+    buf = plain_generate(graphdef, state, tokens, lens, live, np.int32(max_new_tokens), stops, capacity=capacity)
+    out_tokens, num = jax.device_get((buf.tokens, buf.num))
+    new = [out_tokens[b, : num[b]].tolist() for b in range(batch)]
+    return GenerateOutput(tokens=new, acceptance_lengths=[[1] * len(t) for t in new])
+
+
+def _check_prompts(target: TargetModel, prompts, max_new_tokens: int) -> int:
+    if isinstance(prompts, (str, bytes)) or not len(prompts):
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    cfg = target.cfg
+    for i, p in enumerate(prompts):
+        if isinstance(p, (str, bytes)) or not len(p):
+            raise ValueError(f"prompt {i} must be a non-empty list of token ids")
+        arr = np.asarray(p)
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"prompt {i} must be a flat list of integer token ids")
+        if arr.min() < 0 or arr.max() >= cfg.vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside [0, {cfg.vocab_size})")
+        if len(p) + max_new_tokens > cfg.max_position_embeddings:
+            raise ValueError(
+                f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
+                f"{len(p) + max_new_tokens} positions, more than the model's "
+                f"max_position_embeddings={cfg.max_position_embeddings}"
+            )
+    return len(prompts)
+
+
+def _pad_prompts(prompts, batch: int, length: int):
+    """Right-pads prompts to ``[batch, length]``; extra rows are dead (one token, never generated)."""
+    tokens = np.zeros((batch, length), np.int32)
+    lens = np.ones((batch,), np.int32)
+    live = np.zeros((batch,), bool)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = p
+        lens[b], live[b] = len(p), True
+    return tokens, lens, live
+
+
+def _pad_stops(stop_token_ids, vocab_size: int):
+    stops = [int(s) for s in stop_token_ids]
+    if any(not 0 <= s < vocab_size for s in stops):
+        raise ValueError(f"stop_token_ids {stops} must lie in [0, {vocab_size})")
+    padded = np.full((bucket(len(stops), STOP_BUCKET),), -1, np.int32)
+    padded[: len(stops)] = stops
+    return padded

@@ -1,0 +1,184 @@
+"""Hugging Face checkpoints in and out: one table per model maps tensor names to parameter paths.
+
+The same table drives loading and saving, so the two directions cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from retrace_jax.config import ModelConfig, read_config_json
+from retrace_jax.target import TargetModel
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Tensors that some checkpoints carry but no model here uses.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint whose tensors do not fit the model its config describes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSpec:
+    """One tensor: its Hugging Face name, its NNX state path, and whether it is a ``[out, in]`` matrix."""
+
+    hf_name: str
+    path: tuple
+    transpose: bool = False
+
+    def to_param(self, array: np.ndarray) -> np.ndarray:
+        return array.T if self.transpose else array
+
+    def to_hf(self, array: np.ndarray) -> np.ndarray:
+        return array.T if self.transpose else array
+
+
+def linear_specs(hf_prefix: str, path: tuple, bias: bool) -> list[WeightSpec]:
+    specs = [WeightSpec(f"{hf_prefix}.weight", path + ("kernel",), transpose=True)]
+    if bias:
+        specs.append(WeightSpec(f"{hf_prefix}.bias", path + ("bias",)))
+    return specs
+
+
+def norm_spec(hf_prefix: str, path: tuple) -> WeightSpec:
+    return WeightSpec(f"{hf_prefix}.weight", path + ("weight",))
+
+
+def mlp_specs(hf_prefix: str, path: tuple, bias: bool) -> list[WeightSpec]:
+    return [
+        s
+        for name in ("gate_proj", "up_proj", "down_proj")
+        for s in linear_specs(f"{hf_prefix}.{name}", path + (name,), bias)
+    ]
+
+
+def target_specs(cfg: ModelConfig) -> list[WeightSpec]:
+    specs = [WeightSpec("model.embed_tokens.weight", ("embed_tokens", "embedding"))]
+    for i in range(cfg.num_layers):
+        hf, p = f"model.layers.{i}", ("layers", i)
+        specs.append(norm_spec(f"{hf}.input_layernorm", p + ("input_layernorm",)))
+        specs.append(norm_spec(f"{hf}.post_attention_layernorm", p + ("post_attention_layernorm",)))
+        for name in ("q_proj", "k_proj", "v_proj"):
+            specs += linear_specs(f"{hf}.self_attn.{name}", p + ("self_attn", name), cfg.qkv_bias)
+        specs += linear_specs(f"{hf}.self_attn.o_proj", p + ("self_attn", "o_proj"), cfg.o_bias)
+        if cfg.qk_norm:
+            specs.append(norm_spec(f"{hf}.self_attn.q_norm", p + ("self_attn", "q_norm")))
+            specs.append(norm_spec(f"{hf}.self_attn.k_norm", p + ("self_attn", "k_norm")))
+        specs += mlp_specs(f"{hf}.mlp", p + ("mlp",), cfg.mlp_bias)
+    specs.append(norm_spec("model.norm", ("norm",)))
+    if not cfg.tie_word_embeddings:
+        specs += linear_specs("lm_head", ("lm_head",), False)
+    return specs
+
+
+class TensorReader:
+    """Reads tensors by name from ``model.safetensors`` or from shards listed in the index file."""
+
+    def __init__(self, directory: str):
+        index_path = os.path.join(directory, INDEX_FILE)
+        single_path = os.path.join(directory, SINGLE_FILE)
+        if os.path.isfile(index_path):
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+        elif os.path.isfile(single_path):
+            with safe_open(single_path, framework="numpy") as f:
+                weight_map = {name: SINGLE_FILE for name in f.keys()}
+        else:
+            raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {directory}")
+        for file in sorted(set(weight_map.values())):
+            if not os.path.isfile(os.path.join(directory, file)):
+                raise FileNotFoundError(f"{INDEX_FILE} lists {file}, which is missing from {directory}")
+        self.directory = directory
+        self.weight_map = weight_map
+
+    def names(self) -> set[str]:
+        return set(self.weight_map)
+
+    def get(self, name: str) -> np.ndarray:
+        with safe_open(os.path.join(self.directory, self.weight_map[name]), framework="numpy") as f:
+            return f.get_tensor(name)
+
+
+def strip_prefix(names: Iterable[str], prefix: str) -> dict[str, str]:
+    """Maps names without ``prefix`` to the stored names (for checkpoints saved with a ``model.`` prefix)."""
+    return {n[len(prefix) :] if n.startswith(prefix) else n: n for n in names}
+
+
+def load_into(module: nnx.Module, specs: list[WeightSpec], reader: TensorReader, dtype, *,
+              aliases: dict[str, str] | None = None, ignore: Iterable[str] = ()) -> nnx.Module:
+    """Fills an (abstract) module's parameters from a checkpoint, checking names and shapes."""
+    aliases = aliases or {n: n for n in reader.names()}
+    wanted = {s.hf_name for s in specs}
+    ignore = set(ignore)
+    missing = sorted(wanted - set(aliases))
+    extra = sorted(
+        n for n in set(aliases) - wanted if n not in ignore and not n.endswith(IGNORED_SUFFIXES)
+    )
+    if missing or extra:
+        raise CheckpointError(
+            f"checkpoint in {reader.directory} does not match the model: "
+            f"missing tensors {_short(missing)}; unexpected tensors {_short(extra)}"
+        )
+    graphdef, state = nnx.split(module)
+    flat = dict(nnx.to_flat_state(state))
+    for spec in specs:
+        array = spec.to_param(reader.get(aliases[spec.hf_name]))
+        expected = flat[spec.path].get_value().shape
+        if tuple(array.shape) != tuple(expected):
+            raise CheckpointError(
+                f"tensor {spec.hf_name} has shape {tuple(spec.to_hf(array).shape)}, "
+                f"the config implies {tuple(spec.to_hf(np.empty(expected)).shape)}"
+            )
+        flat[spec.path].set_value(jnp.asarray(array, dtype=dtype))
+    covered = {s.path for s in specs}
+    left = [p for p in flat if p not in covered]
+    if left:
+        raise AssertionError(f"parameters with no checkpoint tensor: {left}")
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def export_tensors(module: nnx.Module, specs: list[WeightSpec]) -> dict[str, np.ndarray]:
+    """The module's parameters as Hugging Face named ``[out, in]`` arrays."""
+    flat = dict(nnx.to_flat_state(nnx.state(module, nnx.Param)))
+    return {s.hf_name: np.ascontiguousarray(s.to_hf(np.asarray(jax.device_get(flat[s.path].get_value()))))
+            for s in specs}
+
+
+def resolve_dtype(dtype) -> jnp.dtype:
+    name = jnp.dtype(dtype).name
+    if name not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+    return jnp.dtype(dtype)
+
+
+def abstract_module(factory):
+    """Builds a module's structure without allocating or initialising its parameters."""
+    return nnx.eval_shape(factory)
+
+
+def load_target(path: str, dtype="float32") -> TargetModel:
+    """Loads a Qwen3 / Qwen2 / Llama checkpoint from a Hugging Face directory."""
+    dtype = resolve_dtype(dtype)
+    cfg = ModelConfig.from_hf(read_config_json(path))
+    reader = TensorReader(path)
+    module = abstract_module(lambda: TargetModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    ignore = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+    return load_into(module, target_specs(cfg), reader, dtype, ignore=ignore)
+
+
+def _short(names: list[str], limit: int = 8) -> str:
+    if not names:
+        return "none"
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more

@@ -1,0 +1,32 @@
+"""A tiny random target built on the spot, for demos and smoke runs without any checkpoint."""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from retrace_jax.config import ModelConfig
+from retrace_jax.target import TargetModel
+
+TINY_QWEN3 = ModelConfig(
+    model_type="qwen3",
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+    qkv_bias=False,
+    o_bias=False,
+    mlp_bias=False,
+    qk_norm=True,
+)
+
+
+def tiny_target(seed: int = 0, cfg: ModelConfig = TINY_QWEN3) -> TargetModel:
+    """A randomly initialised float32 Qwen3-shaped target (its text is meaningless)."""
+    return TargetModel(cfg, rngs=nnx.Rngs(seed))

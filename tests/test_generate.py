@@ -1,0 +1,87 @@
+"""Greedy generation as one program: equal to transformers, batch-invariant, exact stopping."""
+
+import numpy as np
+import pytest
+import torch
+
+import retrace_jax as rj
+from tests.compile_count import count_compiles
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17], [3], [40, 41]]
+
+
+def hf_greedy(model, prompt, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_batched_greedy_equals_hf_generate(family, hf_model_dir):
+    model, directory = hf_model_dir(family)
+    target = rj.load_target(directory)
+    out = rj.generate(target, PROMPTS, max_new_tokens=24)
+    for prompt, tokens in zip(PROMPTS, out.tokens):
+        assert tokens == hf_greedy(model, prompt, 24)
+    assert out.acceptance_lengths == [[1] * 24] * len(PROMPTS)
+
+
+def test_rows_equal_prompts_run_alone(hf_model_dir):
+    _, directory = hf_model_dir("qwen2")
+    target = rj.load_target(directory)
+    batched = rj.generate(target, PROMPTS, max_new_tokens=10).tokens
+    alone = [rj.generate(target, [p], max_new_tokens=10).tokens[0] for p in PROMPTS]
+    assert batched == alone
+
+
+def test_stop_token_is_kept_and_ends_the_row(hf_model_dir):
+    _, directory = hf_model_dir("llama")
+    target = rj.load_target(directory)
+    free = rj.generate(target, PROMPTS, max_new_tokens=30).tokens
+    stop = free[0][4]  # a token row 0 emits at step 4 (or earlier)
+    cut = free[0].index(stop) + 1
+    out = rj.generate(target, PROMPTS, max_new_tokens=30, stop_token_ids=[stop])
+    assert out.tokens[0] == free[0][:cut]
+    for full, got, rounds in zip(free, out.tokens, out.acceptance_lengths):
+        expected = full[: full.index(stop) + 1] if stop in full else full
+        assert got == expected
+        assert len(rounds) == len(got)
+
+
+@pytest.mark.parametrize("n", [1, 7, 17])
+def test_exactly_max_new_tokens(hf_model_dir, n):
+    _, directory = hf_model_dir("qwen3")
+    target = rj.load_target(directory)
+    out = rj.generate(target, PROMPTS, max_new_tokens=n)
+    assert [len(t) for t in out.tokens] == [n] * len(PROMPTS)
+
+
+def test_second_call_in_same_bucket_compiles_nothing(hf_model_dir):
+    _, directory = hf_model_dir("qwen3")
+    target = rj.load_target(directory)
+    rj.generate(target, [[1, 2, 3], [4, 5]], max_new_tokens=12, stop_token_ids=[2])
+    with count_compiles() as compiled:
+        # New prompts, lengths, batch size, max_new_tokens and stops, all inside the same buckets.
+        out = rj.generate(target, [[7, 8, 9, 10, 11], [12]], max_new_tokens=9, stop_token_ids=[3, 4])
+    assert compiled == []
+    assert len(out.tokens) == 2
+
+
+def test_bad_inputs_give_clear_errors(hf_model_dir):
+    _, directory = hf_model_dir("qwen3")
+    target = rj.load_target(directory)
+    limit = target.cfg.max_position_embeddings
+    with pytest.raises(ValueError, match="max_position_embeddings=256"):
+        rj.generate(target, [[1] * (limit - 4)], max_new_tokens=5)
+    with pytest.raises(ValueError, match="outside"):
+        rj.generate(target, [[1, 999]])
+    with pytest.raises(ValueError, match="non-empty"):
+        rj.generate(target, [[1], []])
+    with pytest.raises(ValueError, match="non-empty list"):
+        rj.generate(target, [])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        rj.generate(target, [[1]], max_new_tokens=0)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        rj.generate(target, [[1]], stop_token_ids=[-3])
+    with pytest.raises(NotImplementedError, match="sampling"):
+        rj.generate(target, [[1]], temperature=0.7)

@@ -1,0 +1,90 @@
+"""Float32 parity of the target model with transformers' PyTorch models."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import retrace_jax as rj
+from retrace_jax.kv_cache import KVCache
+from retrace_jax.target import prefill
+
+TOL = 1e-4
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.numpy()
+
+
+def test_prefill_logits_match_hf(family, hf_model_dir):
+    model, directory = hf_model_dir(family)
+    target = rj.load_target(directory)
+    ids = np.random.RandomState(0).randint(0, rj.load_target(directory).cfg.vocab_size, (2, 9))
+    out = target(jnp.asarray(ids), target.init_cache(2, 16))
+    np.testing.assert_allclose(np.asarray(target.logits(out.hidden)), hf_logits(model, ids), atol=TOL, rtol=0)
+    np.testing.assert_array_equal(np.asarray(out.cache.lengths), [9, 9])
+
+
+def test_cached_decoding_with_ragged_rows_matches_hf(family, hf_model_dir):
+    """Rows of different prompt lengths decode token by token, each at its own cache offset."""
+    model, directory = hf_model_dir(family)
+    target = rj.load_target(directory)
+    rng = np.random.RandomState(1)
+    lens = [3, 7]
+    seqs = [rng.randint(0, 128, (lens[b] + 6,)) for b in range(2)]
+    padded = np.zeros((2, max(lens)), np.int32)
+    for b in range(2):
+        padded[b, : lens[b]] = seqs[b][: lens[b]]
+    logits, cache, _ = prefill(target, jnp.asarray(padded), jnp.asarray(lens, jnp.int32), target.init_cache(2, 32))
+    got = [[np.asarray(logits[b])] for b in range(2)]
+    for step in range(6):
+        step_tokens = np.array([[seqs[b][lens[b] + step]] for b in range(2)], np.int32)
+        out = target(jnp.asarray(step_tokens), cache)
+        cache = out.cache
+        step_logits = np.asarray(target.logits(out.hidden[:, 0]))
+        for b in range(2):
+            got[b].append(step_logits[b])
+    for b in range(2):
+        ref = hf_logits(model, seqs[b][None])[0, lens[b] - 1 : lens[b] + 6]
+        np.testing.assert_allclose(np.stack(got[b]), ref, atol=TOL, rtol=0)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [l + 6 for l in lens])
+
+
+def test_features_are_chosen_layer_outputs(hf_model_dir):
+    model, directory = hf_model_dir("qwen3")
+    target = rj.load_target(directory)
+    ids = np.random.RandomState(2).randint(0, 128, (1, 5))
+    out = target(jnp.asarray(ids), target.init_cache(1, 8), feature_layers=(1, 0))
+    with torch.no_grad():
+        hs = model(torch.tensor(ids), output_hidden_states=True).hidden_states
+    # hidden_states[i + 1] is the output of layer i (the last one is replaced by the final norm).
+    ref = np.concatenate([hs[2].numpy(), hs[1].numpy()], -1)
+    np.testing.assert_allclose(np.asarray(out.features), ref, atol=TOL, rtol=0)
+    # The returned hidden state is the final-norm state, the LM head's input.
+    np.testing.assert_allclose(np.asarray(out.hidden), hs[-1].numpy(), atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match="outside"):
+        target(jnp.asarray(ids), target.init_cache(1, 8), feature_layers=(3,))
+
+
+def test_stale_cache_entries_are_never_read(hf_model_dir):
+    """Garbage past a row's length (e.g. rejected draft tokens) does not change the result."""
+    _, directory = hf_model_dir("qwen3")
+    target = rj.load_target(directory)
+    ids = jnp.asarray(np.random.RandomState(3).randint(0, 128, (1, 6)))
+    clean = target.init_cache(1, 16)
+    noisy = KVCache(clean.k + 7.0, clean.v - 3.0, clean.lengths)
+    a = target(ids, clean).hidden
+    b = target(ids, noisy).hidden
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bfloat16_load_runs_close_to_float32(hf_model_dir):
+    _, directory = hf_model_dir("llama")
+    t32 = rj.load_target(directory)
+    t16 = rj.load_target(directory, dtype="bfloat16")
+    assert t16.embed_tokens.embedding.dtype == jnp.bfloat16
+    ids = jnp.asarray(np.random.RandomState(4).randint(0, 128, (1, 6)))
+    l32 = np.asarray(t32.logits(t32(ids, t32.init_cache(1, 8)).hidden))
+    l16 = np.asarray(t16.logits(t16(ids, t16.init_cache(1, 8)).hidden)).astype(np.float32)
+    assert np.abs(l16 - l32).max() < 0.1 * np.abs(l32).max()
