@@ -1,10 +1,23 @@
 """retrace-jax: lossless speculative decoding (DFlash + ReTrace) as one compiled XLA program."""
 
 from retrace_jax.config import ConfigError, ModelConfig
-from retrace_jax.hf_io import CheckpointError, load_target
+from retrace_jax.drafter import DFlashDrafter, DrafterConfig, init_drafter
+from retrace_jax.hf_io import CheckpointError, load_drafter, load_target, save_drafter
 from retrace_jax.target import TargetModel
 
-__all__ = ["CheckpointError", "ConfigError", "ModelConfig", "TargetModel", "load_target"]
-from retrace_jax.generate import GenerateOutput, generate
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "DFlashDrafter",
+    "DrafterConfig",
+    "ModelConfig",
+    "TargetModel",
+    "init_drafter",
+    "load_drafter",
+    "load_target",
+    "save_drafter",
+]
+import retrace_jax.tiny as tiny
+from retrace_jax.generation import GenerateOutput, generate
 
 __all__ += ["GenerateOutput", "generate"]

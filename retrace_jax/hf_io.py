@@ -15,8 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
+from safetensors.numpy import save_file
 
-from retrace_jax.config import ModelConfig, read_config_json
+from retrace_jax.config import ConfigError, ModelConfig, read_config_json
+from retrace_jax.drafter import DFlashDrafter, DrafterConfig
 from retrace_jax.target import TargetModel
 
 SINGLE_FILE = "model.safetensors"
@@ -79,6 +81,22 @@ def target_specs(cfg: ModelConfig) -> list[WeightSpec]:
     specs.append(norm_spec("model.norm", ("norm",)))
     if not cfg.tie_word_embeddings:
         specs += linear_specs("lm_head", ("lm_head",), False)
+    return specs
+
+
+def drafter_specs(cfg: DrafterConfig) -> list[WeightSpec]:
+    """The official DFlash tensor names (no ``model.`` prefix)."""
+    specs = [WeightSpec("fc.weight", ("fc", "kernel"), transpose=True),
+             norm_spec("hidden_norm", ("hidden_norm",)), norm_spec("norm", ("norm",))]
+    for i in range(cfg.num_layers):
+        hf, p = f"layers.{i}", ("layers", i)
+        specs.append(norm_spec(f"{hf}.input_layernorm", p + ("input_layernorm",)))
+        specs.append(norm_spec(f"{hf}.post_attention_layernorm", p + ("post_attention_layernorm",)))
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            specs += linear_specs(f"{hf}.self_attn.{name}", p + ("self_attn", name), cfg.attention_bias)
+        specs.append(norm_spec(f"{hf}.self_attn.q_norm", p + ("self_attn", "q_norm")))
+        specs.append(norm_spec(f"{hf}.self_attn.k_norm", p + ("self_attn", "k_norm")))
+        specs += mlp_specs(f"{hf}.mlp", p + ("mlp",), False)
     return specs
 
 
@@ -175,6 +193,48 @@ def load_target(path: str, dtype="float32") -> TargetModel:
     module = abstract_module(lambda: TargetModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     ignore = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
     return load_into(module, target_specs(cfg), reader, dtype, ignore=ignore)
+
+
+def check_drafter_matches(cfg: DrafterConfig, target_cfg: ModelConfig) -> None:
+    """Raises ``ConfigError`` listing every way a drafter does not fit a target."""
+    problems = []
+    if cfg.hidden_size != target_cfg.hidden_size:
+        problems.append(f"hidden_size {cfg.hidden_size} != target hidden_size {target_cfg.hidden_size}")
+    if cfg.num_target_layers != target_cfg.num_layers:
+        problems.append(f"num_target_layers {cfg.num_target_layers} != target num_hidden_layers "
+                        f"{target_cfg.num_layers}")
+    if cfg.vocab_size != target_cfg.vocab_size:
+        problems.append(f"vocab_size {cfg.vocab_size} != target vocab_size {target_cfg.vocab_size}")
+    if not 0 <= cfg.mask_token_id < target_cfg.vocab_size:
+        problems.append(f"mask_token_id {cfg.mask_token_id} outside the target vocabulary [0, {target_cfg.vocab_size})")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target_cfg.num_layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} outside the target's layers 0..{target_cfg.num_layers - 1}")
+    if cfg.block_size < 2:
+        problems.append(f"block_size {cfg.block_size} < 2")
+    if problems:
+        raise ConfigError("drafter does not match the target: " + "; ".join(problems))
+
+
+def load_drafter(path: str, target: TargetModel, dtype="float32") -> DFlashDrafter:
+    """Loads a DFlash drafter in the official layout (a ``model.`` prefix is accepted) for ``target``."""
+    dtype = resolve_dtype(dtype)
+    cfg = DrafterConfig.from_hf(read_config_json(path))
+    check_drafter_matches(cfg, target.cfg)
+    reader = TensorReader(path)
+    module = abstract_module(lambda: DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    return load_into(module, drafter_specs(cfg), reader, dtype, aliases=strip_prefix(reader.names(), "model."))
+
+
+def save_drafter(drafter: DFlashDrafter, path: str) -> None:
+    """Writes ``config.json`` and ``model.safetensors`` in the official DFlash layout."""
+    os.makedirs(path, exist_ok=True)
+    hf = drafter.cfg.to_hf()
+    hf["torch_dtype"] = jnp.dtype(drafter.dtype).name
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    tensors = export_tensors(drafter, drafter_specs(drafter.cfg))
+    save_file(tensors, os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
 
 
 def _short(names: list[str], limit: int = 8) -> str:

@@ -23,3 +23,21 @@ def hf_model_dir(tmp_path_factory):
         return cache[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def trained_drafter(hf_model_dir):
+    """A one-layer drafter (block 4) fitted for a few hundred steps on the qwen3 target's own greedy
+    outputs, so that many of its proposals are right. Returns ``(drafter, training_prompts)``."""
+    import numpy as np
+
+    import retrace_jax as rj
+    from retrace_jax.self_distill import regenerate, train_dflash
+
+    _, directory = hf_model_dir("qwen3")
+    target = rj.load_target(directory)
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(0, 127, (4,)).tolist() for _ in range(64)]
+    tokens, mask = regenerate(target, prompts, max_new_tokens=48)
+    drafter = rj.init_drafter(target.cfg, mask_token_id=127, num_layers=1, block_size=4, seed=1)
+    return train_dflash(target, drafter, tokens, mask, steps=300, lr=3e-3), prompts

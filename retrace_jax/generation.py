@@ -9,7 +9,10 @@ import jax
 import numpy as np
 from flax import nnx
 
+from retrace_jax.drafter import DFlashDrafter
+from retrace_jax.hf_io import check_drafter_matches
 from retrace_jax.plain_loop import plain_generate
+from retrace_jax.speculative_loop import speculative_generate
 from retrace_jax.target import TargetModel
 
 MIN_BUCKET = 16
@@ -42,31 +45,49 @@ def generate(
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int = 64,
     *,
-    drafter=None,
+    drafter: DFlashDrafter | None = None,
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
     stop_token_ids: Sequence[int] = (),
     seed: int = 0,
+    block_size: int | None = None,
 ) -> GenerateOutput:
     """Generates up to ``max_new_tokens`` for each prompt (token ids) in one compiled program.
 
-    The batch, prompt length, ``max_new_tokens`` and stop list are padded to buckets, so calls whose
-    sizes fall into the same buckets reuse the compiled program.
+    With a ``drafter``, decoding is speculative (lossless: the same tokens as without it); the block
+    size is the drafter's unless ``block_size`` overrides it. The batch, prompt length,
+    ``max_new_tokens`` and stop list are padded to buckets, so calls whose sizes fall into the same
+    buckets reuse the compiled program.
     """
-    if drafter is not None:
-        raise NotImplementedError("speculative decoding with a drafter is not available yet")
     if temperature != 0.0 or top_k != 0 or top_p != 1.0:
         raise NotImplementedError("sampling (temperature/top_k/top_p) is not available yet; use greedy")
     batch = _check_prompts(target, prompts, max_new_tokens)
     capacity = bucket(max_new_tokens)
     tokens, lens, live = _pad_prompts(prompts, bucket(batch, 1), bucket(max(map(len, prompts))))
     stops = _pad_stops(stop_token_ids, target.cfg.vocab_size)
-    graphdef, state = nnx.split(target)
-    buf = plain_generate(graphdef, state, tokens, lens, live, np.int32(max_new_tokens), stops, capacity=capacity)
-    out_tokens, num = jax.device_get((buf.tokens, buf.num))
-    new = [out_tokens[b, : num[b]].tolist() for b in range(batch)]
-    return GenerateOutput(tokens=new, acceptance_lengths=[[1] * len(t) for t in new])
+    target_def, target_state = nnx.split(target)
+    max_new = np.int32(max_new_tokens)
+    if drafter is None:
+        buf = plain_generate(target_def, target_state, tokens, lens, live, max_new, stops, capacity=capacity)
+        out_tokens, num = jax.device_get((buf.tokens, buf.num))
+        new = [out_tokens[b, : num[b]].tolist() for b in range(batch)]
+        return GenerateOutput(tokens=new, acceptance_lengths=[[1] * len(t) for t in new])
+
+    check_drafter_matches(drafter.cfg, target.cfg)
+    block_size = drafter.cfg.block_size if block_size is None else int(block_size)
+    if block_size < 2:
+        raise ValueError(f"block_size must be at least 2, got {block_size}")
+    drafter_def, drafter_state = nnx.split(drafter)
+    buf, accept, rounds = speculative_generate(
+        target_def, target_state, drafter_def, drafter_state, tokens, lens, live, max_new, stops,
+        capacity=capacity, block_size=block_size,
+    )
+    out_tokens, num, accept, rounds = jax.device_get((buf.tokens, buf.num, accept, rounds))
+    return GenerateOutput(
+        tokens=[out_tokens[b, : num[b]].tolist() for b in range(batch)],
+        acceptance_lengths=[accept[b, : rounds[b]].tolist() for b in range(batch)],
+    )
 
 
 def _check_prompts(target: TargetModel, prompts, max_new_tokens: int) -> int:

@@ -1,0 +1,116 @@
+"""The DFlash training objective: many anchored blocks per sequence, each drafted in one pass.
+
+Block ``i`` is ``[x[anchor_i], MASK, ...]`` at positions ``anchor_i + 0..B-1``. It sees the target
+features of positions strictly before its anchor and its own block (bidirectionally), never another
+block. Slot ``k`` is labelled ``x[anchor_i + k]``; loss weights ``exp(-(k-1)/gamma)`` times the loss mask.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from retrace_jax.drafter import DFlashDrafter
+from retrace_jax.target import TargetModel
+
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """The published loss-decay constants (7 for B=16, 5 for B=10, 4 for B=8), else B/2 - 1."""
+    return DEFAULT_GAMMA.get(block_size, max(1.0, block_size / 2 - 1))
+
+
+def sample_anchors(key, loss_mask_bs, num_anchors: int, block_size: int):
+    """Up to ``num_anchors`` distinct anchors per row among response positions ``p <= S - block_size``.
+
+    Returns ``anchors [B, A]`` (sorted) and ``valid [B, A]`` (False where a row has fewer candidates).
+    """
+    b, s = loss_mask_bs.shape
+    pos = jnp.arange(s)
+    candidate = loss_mask_bs.astype(bool) & (pos <= s - block_size)[None, :]
+    scores = jnp.where(candidate, jax.random.uniform(key, (b, s)), -1.0)
+    top, idx = jax.lax.top_k(scores, num_anchors)
+    valid = top >= 0.0
+    order = jnp.argsort(jnp.where(valid, idx, s), axis=1)
+    return jnp.take_along_axis(idx, order, 1).astype(jnp.int32), jnp.take_along_axis(valid, order, 1)
+
+
+class BlockBatch(NamedTuple):
+    tokens_bak: jax.Array  # [B, A, K] block inputs: x[anchor], then MASK
+    positions_bak: jax.Array  # [B, A, K]
+    labels_bak: jax.Array  # [B, A, K] x[anchor + k]
+    weights_bak: jax.Array  # [B, A, K] loss weight (0 for slot 0, padding and non-response labels)
+    mask_bt_st: jax.Array  # [B, A*K, S + A*K] attention visibility
+
+
+def build_blocks(tokens_bs, loss_mask_bs, anchors_ba, valid_ba, block_size: int, mask_token_id: int,
+                 gamma: float) -> BlockBatch:
+    b, s = tokens_bs.shape
+    a = anchors_ba.shape[1]
+    k = jnp.arange(block_size)
+    positions = anchors_ba[:, :, None] + k  # [B, A, K]
+    inside = positions < s
+    safe = jnp.minimum(positions, s - 1).reshape(b, -1)
+    labels = jnp.take_along_axis(tokens_bs, safe, 1).reshape(b, a, block_size)
+    label_mask = jnp.take_along_axis(loss_mask_bs, safe, 1).reshape(b, a, block_size).astype(bool)
+    slot_weight = jnp.where(k >= 1, jnp.exp(-(k - 1.0) / gamma), 0.0)
+    weights = slot_weight * (inside & label_mask & valid_ba[:, :, None])
+    inputs = jnp.where(k == 0, labels, mask_token_id)
+    # Visibility: context strictly before the block's anchor, and the block's own slots.
+    t = a * block_size
+    anchor_t = jnp.repeat(anchors_ba, block_size, axis=1)  # [B, T]
+    ctx = jnp.arange(s)[None, None, :] < anchor_t[:, :, None]  # [B, T, S]
+    block_id = jnp.repeat(jnp.arange(a), block_size)
+    own = jnp.broadcast_to(block_id[:, None] == block_id[None, :], (b, t, t))
+    return BlockBatch(inputs, positions, labels, weights, jnp.concatenate([ctx, own], axis=-1))
+
+
+def target_features(target: TargetModel, tokens_bs, layer_ids):
+    """The frozen target's features of every position (no gradient)."""
+    b, s = tokens_bs.shape
+    out = target(tokens_bs, target.init_cache(b, s), feature_layers=tuple(layer_ids))
+    return jax.lax.stop_gradient(out.features)
+
+
+def draft_blocks(drafter: DFlashDrafter, target: TargetModel, features_bsf, blocks: BlockBatch):
+    """Drafter final-norm hidden states of every block slot ``[B, A, K, d]``."""
+    b, a, k = blocks.tokens_bak.shape
+    s = features_bsf.shape[1]
+    ctx_kv = drafter.context_kv(features_bsf, jnp.broadcast_to(jnp.arange(s), (b, s)))
+    emb = target.embed(blocks.tokens_bak.reshape(b, a * k))
+    hidden = drafter.forward(emb, blocks.positions_bak.reshape(b, a * k), ctx_kv, blocks.mask_bt_st)
+    return hidden.reshape(b, a, k, -1)
+
+
+class LossMetrics(NamedTuple):
+    loss: jax.Array
+    slot_accuracy: jax.Array  # [K]: top-1 accuracy per block slot (slot 0 is the given token)
+    tau: jax.Array  # mean over blocks of 1 + leading correct slots: the acceptance length they imply
+
+
+def block_loss(logits_bakv, blocks: BlockBatch) -> LossMetrics:
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits_bakv.astype(jnp.float32), blocks.labels_bak)
+    w = blocks.weights_bak
+    loss = jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1e-6)
+    counted = w > 0
+    correct = (jnp.argmax(logits_bakv, -1) == blocks.labels_bak) & counted
+    slot_acc = jnp.sum(correct, (0, 1)) / jnp.maximum(jnp.sum(counted, (0, 1)), 1)
+    # Leading run of correct slots 1..K-1 (a slot without a label ends the run).
+    lead = jnp.sum(jnp.cumprod(correct[:, :, 1:].astype(jnp.int32), axis=-1), -1)
+    block_valid = counted[:, :, 1]
+    tau = jnp.sum((1 + lead) * block_valid) / jnp.maximum(jnp.sum(block_valid), 1)
+    return LossMetrics(loss, slot_acc, tau)
+
+
+def dflash_loss(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss_mask_bs, anchors_ba, valid_ba,
+                gamma: float | None = None) -> LossMetrics:
+    cfg = drafter.cfg
+    gamma = default_gamma(cfg.block_size) if gamma is None else gamma
+    blocks = build_blocks(tokens_bs, loss_mask_bs, anchors_ba, valid_ba, cfg.block_size, cfg.mask_token_id, gamma)
+    features = target_features(target, tokens_bs, cfg.target_layer_ids)
+    hidden = draft_blocks(drafter, target, features, blocks)
+    return block_loss(target.logits(hidden), blocks)

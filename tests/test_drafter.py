@@ -1,0 +1,122 @@
+"""The DFlash drafter against the PyTorch reference, and its checkpoints in the official layout."""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+import retrace_jax as rj
+from tests.dflash_reference import RefDFlashDraftModel
+
+TOL = 1e-4
+
+
+def randomize(module, seed=0, scale=0.15):
+    """Replaces every parameter with N(0, scale) noise (norm scales around 1), so tests exercise them."""
+    graphdef, state = nnx.split(module)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    new = [
+        (1.0 + 0.1 * jax.random.normal(k, x.shape) if x.ndim == 1 else scale * jax.random.normal(k, x.shape)).astype(x.dtype)
+        for k, x in zip(keys, leaves)
+    ]
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, new))
+
+
+@pytest.fixture(scope="module")
+def target(hf_model_dir):
+    return rj.load_target(hf_model_dir("qwen3")[1])
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    d = rj.init_drafter(target.cfg, mask_token_id=127, num_layers=2, block_size=4, target_layer_ids=(0, 1))
+    return randomize(d, seed=3)
+
+
+def test_saved_drafter_loads_in_reference_pytorch_model(drafter, tmp_path):
+    rj.save_drafter(drafter, str(tmp_path))
+    with open(tmp_path / "config.json") as f:
+        cfg = json.load(f)
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["dflash_config"] == {"mask_token_id": 127, "target_layer_ids": [0, 1]}
+    assert not any(k.startswith("model.") for k in load_file(str(tmp_path / "model.safetensors")))
+    ref, info = RefDFlashDraftModel.from_pretrained(str(tmp_path), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_forward_matches_reference(drafter, tmp_path):
+    rj.save_drafter(drafter, str(tmp_path))
+    ref = RefDFlashDraftModel.from_pretrained(str(tmp_path)).eval()
+    rng = np.random.RandomState(0)
+    s, t, d = 6, 4, drafter.cfg.hidden_size
+    feats = rng.randn(2, s, 2 * d).astype(np.float32)
+    emb = rng.randn(2, t, d).astype(np.float32)
+    offset = 5  # context at absolute positions 5..10, block at 11..14
+    positions = np.arange(offset, offset + s + t)[None].repeat(2, 0)
+    with torch.no_grad():
+        want = ref(torch.tensor(emb), torch.tensor(feats), torch.tensor(positions)).numpy()
+    ctx_kv = drafter.context_kv(jnp.asarray(feats), jnp.asarray(positions[:, :s]))
+    got = drafter.forward(jnp.asarray(emb), jnp.asarray(positions[:, s:]), ctx_kv, jnp.ones((2, t, s + t), bool))
+    np.testing.assert_allclose(np.asarray(got), want, atol=TOL, rtol=0)
+
+
+def test_cached_draft_equals_forward_and_hides_stale_context(drafter):
+    """``draft`` over a context cache sees exactly the positions below each row's length."""
+    rng = np.random.RandomState(1)
+    d = drafter.cfg.hidden_size
+    feats = jnp.asarray(rng.randn(2, 7, 2 * d).astype(np.float32))
+    emb = jnp.asarray(rng.randn(2, 4, d).astype(np.float32))
+    lens = jnp.asarray([5, 7], jnp.int32)
+    cache = drafter.extend_cache(feats, drafter.init_cache(2, 16)).replace(lengths=lens)
+    got = np.asarray(drafter.draft(emb, cache))
+    for b, n in enumerate([5, 7]):
+        pos = jnp.arange(n + 4)[None]
+        kv = drafter.context_kv(feats[b : b + 1, :n], pos[:, :n])
+        want = drafter.forward(emb[b : b + 1], pos[:, n:], kv, jnp.ones((1, 4, n + 4), bool))
+        np.testing.assert_allclose(got[b], np.asarray(want[0]), atol=1e-5, rtol=0)
+
+
+def test_save_load_round_trip(target, drafter, tmp_path):
+    rj.save_drafter(drafter, str(tmp_path))
+    loaded = rj.load_drafter(str(tmp_path), target)
+    assert loaded.cfg == drafter.cfg
+    for (p, a), (_, b) in zip(nnx.to_flat_state(nnx.state(drafter)), nnx.to_flat_state(nnx.state(loaded))):
+        np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(p))
+    prompts = [[3, 4, 5], [9]]
+    assert rj.generate(target, prompts, 12, drafter=drafter) == rj.generate(target, prompts, 12, drafter=loaded)
+    assert rj.load_drafter(str(tmp_path), target, dtype="bfloat16").dtype == jnp.bfloat16
+
+
+def test_model_prefix_is_accepted(target, drafter, tmp_path):
+    rj.save_drafter(drafter, str(tmp_path))
+    path = str(tmp_path / "model.safetensors")
+    save_file({f"model.{k}": v for k, v in load_file(path).items()}, path)
+    loaded = rj.load_drafter(str(tmp_path), target)
+    np.testing.assert_array_equal(np.asarray(loaded.fc.kernel[...]), np.asarray(drafter.fc.kernel[...]))
+
+
+def test_drafter_for_another_target_is_refused(target, drafter, tmp_path):
+    rj.save_drafter(drafter, str(tmp_path))
+    other_cfg = dataclasses.replace(target.cfg, hidden_size=32, num_layers=2, vocab_size=100)
+    other = rj.TargetModel(other_cfg, rngs=nnx.Rngs(0))
+    with pytest.raises(rj.ConfigError) as err:
+        rj.load_drafter(str(tmp_path), other)
+    msg = str(err.value)
+    for part in ("hidden_size 64 != target hidden_size 32", "num_target_layers 3 != target num_hidden_layers 2",
+                 "vocab_size 128 != target vocab_size 100", "mask_token_id 127 outside"):
+        assert part in msg
+
+
+def test_not_a_drafter_directory(target, hf_model_dir, tmp_path):
+    with pytest.raises(rj.ConfigError, match="dflash_config"):
+        rj.load_drafter(hf_model_dir("qwen3")[1], target)
+    with pytest.raises(FileNotFoundError):
+        rj.load_drafter(str(tmp_path / "missing"), target)

@@ -1,0 +1,66 @@
+"""Acceptance and commit arithmetic of a verification round, as properties over any inputs."""
+
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from retrace_jax.commit import OutputBuffer, commit
+from retrace_jax.verify import accepted_count, committed_tokens
+
+VOCAB = 4  # small, so that proposals often agree with the target
+
+
+@st.composite
+def rounds(draw):
+    block = draw(st.integers(2, 6))
+    batch = draw(st.integers(1, 4))
+    proposals = draw(st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=block - 1, max_size=block - 1),
+                              min_size=batch, max_size=batch))
+    choice = draw(st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=block, max_size=block),
+                           min_size=batch, max_size=batch))
+    return np.array(proposals, np.int32), np.array(choice, np.int32)
+
+
+@settings(max_examples=300, deadline=None)
+@given(rounds())
+def test_accepted_count_and_committed_tokens(case):
+    proposals, choice = case
+    a = np.asarray(accepted_count(jnp.asarray(proposals), jnp.asarray(choice)))
+    tokens = np.asarray(committed_tokens(jnp.asarray(proposals), jnp.asarray(choice), jnp.asarray(a)))
+    for b in range(len(proposals)):
+        want = 0
+        while want < proposals.shape[1] and proposals[b, want] == choice[b, want]:
+            want += 1
+        assert a[b] == want
+        # The committed tokens are exactly what plain greedy decoding would produce: the target's choice
+        # after each accepted slot, i.e. choice[:a + 1].
+        assert tokens[b, : want + 1].tolist() == choice[b, : want + 1].tolist()
+
+
+@settings(max_examples=300, deadline=None)
+@given(rounds(), st.integers(1, 12), st.integers(0, VOCAB), st.integers(0, 10))
+def test_round_commit_with_stop_and_limit(case, max_new, stop, already):
+    """After a round, a row holds its old tokens plus the round's, cut at the first stop token and at
+    ``max_new``; the position advance ``a + 1`` never exceeds the block."""
+    proposals, choice = case
+    batch, k = proposals.shape
+    already = min(already, max_new - 1)
+    a = accepted_count(jnp.asarray(proposals), jnp.asarray(choice))
+    new = committed_tokens(jnp.asarray(proposals), jnp.asarray(choice), a)
+    prior = np.full((batch, 16), 9, np.int32)
+    buf = OutputBuffer(jnp.asarray(prior), jnp.full((batch,), already, jnp.int32), jnp.zeros((batch,), bool))
+    stops = jnp.asarray([stop if stop < VOCAB else -1], jnp.int32)
+    out = commit(buf, new, a + 1, jnp.int32(max_new), stops)
+    for b in range(batch):
+        assert 1 <= int(a[b]) + 1 <= k + 1
+        offered = choice[b, : int(a[b]) + 1].tolist()
+        kept = []
+        for tok in offered:
+            if already + len(kept) == max_new:
+                break
+            kept.append(tok)
+            if tok == stop:
+                break
+        assert np.asarray(out.tokens[b, already : int(out.num[b])]).tolist() == kept
+        assert bool(out.done[b]) == (stop in kept or already + len(kept) >= max_new)
