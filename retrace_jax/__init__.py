@@ -2,6 +2,7 @@
 
 from retrace_jax.config import ConfigError, ModelConfig
 from retrace_jax.drafter import DFlashDrafter, DrafterConfig, init_drafter
+from retrace_jax.retrace import ReTraceConfig
 from retrace_jax.hf_io import CheckpointError, load_drafter, load_target, save_drafter
 from retrace_jax.target import TargetModel
 
@@ -11,6 +12,7 @@ __all__ = [
     "DFlashDrafter",
     "DrafterConfig",
     "ModelConfig",
+    "ReTraceConfig",
     "TargetModel",
     "init_drafter",
     "load_drafter",

@@ -18,6 +18,7 @@ from flax import nnx
 from retrace_jax.config import ConfigError, rope_theta
 from retrace_jax.kv_cache import KVCache, write_rows
 from retrace_jax.layers import MLP, RMSNorm, attention, linear, rope
+from retrace_jax.retrace import Memory, ReTraceConfig, ReTraceFusion
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -45,6 +46,7 @@ class DrafterConfig:
     num_target_layers: int
     vocab_size: int
     attention_bias: bool = False
+    retrace: ReTraceConfig | None = None  # set for a ReTrace drafter
 
     @property
     def num_features(self) -> int:
@@ -79,11 +81,12 @@ class DrafterConfig:
             num_target_layers=int(hf["num_target_layers"]),
             vocab_size=int(hf["vocab_size"]),
             attention_bias=bool(hf.get("attention_bias", False)),
+            retrace=ReTraceConfig.from_hf(hf.get("retrace_config")),
         )
 
     def to_hf(self) -> dict[str, Any]:
         """The official DFlash ``config.json`` fields (loadable by ``DFlashDraftModel``)."""
-        return {
+        hf = {
             "architectures": ["DFlashDraftModel"],
             "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
             "model_type": "qwen3",
@@ -106,6 +109,9 @@ class DrafterConfig:
             "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
         }
+        if self.retrace is not None:
+            hf["retrace_config"] = self.retrace.to_hf()
+        return hf
 
 
 class DFlashAttention(nnx.Module):
@@ -155,7 +161,8 @@ class DFlashLayer(nnx.Module):
 
 class DFlashDrafter(nnx.Module):
     """DFlash drafter. ``context_kv`` turns target features into per-layer keys/values; ``forward``
-    drafts blocks of embedded tokens against them."""
+    drafts blocks of embedded tokens against them. With ``cfg.retrace`` it also owns the ReTrace
+    fusion, applied to the block's embeddings when a memory is given."""
 
     def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -164,6 +171,8 @@ class DFlashDrafter(nnx.Module):
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
         self.layers = nnx.List([DFlashLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        if cfg.retrace is not None:
+            self.retrace = ReTraceFusion(cfg.retrace, d, d, dtype=dtype, rngs=rngs)
 
     @property
     def dtype(self):
@@ -194,9 +203,12 @@ class DFlashDrafter(nnx.Module):
             h = layer(h, positions_bt, k, v, mask_bt_st)
         return self.norm(h)
 
-    def draft(self, emb_btd, cache: KVCache):
+    def draft(self, emb_btd, cache: KVCache, memory: Memory | None = None, beta=1.0):
         """Drafts one block per row at positions ``cache.lengths[b] + 0..T-1``: every block token sees
-        the row's committed context and the whole block."""
+        the row's committed context and the whole block. ``memory`` (ReTrace drafters) is fused into
+        the block's embeddings first."""
+        if memory is not None:
+            emb_btd = self.retrace(emb_btd.astype(self.dtype), memory, beta)
         b, t, _ = emb_btd.shape
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
         ctx_mask = jnp.arange(cache.max_len)[None, :] < cache.lengths[:, None]  # [B, S]
@@ -208,9 +220,11 @@ class DFlashDrafter(nnx.Module):
 
 
 def init_drafter(target_cfg, *, mask_token_id: int, num_layers: int = 1, block_size: int = 16,
-                 target_layer_ids=None, intermediate_size=None, dtype=jnp.float32, seed: int = 0) -> DFlashDrafter:
+                 target_layer_ids=None, intermediate_size=None, retrace: ReTraceConfig | None = None,
+                 dtype=jnp.float32, seed: int = 0) -> DFlashDrafter:
     """A randomly initialised drafter shaped for ``target_cfg`` (a :class:`~retrace_jax.ModelConfig`):
-    the target's width, heads and RoPE; features from ``target_layer_ids`` (official default if None)."""
+    the target's width, heads and RoPE; features from ``target_layer_ids`` (official default if None).
+    With ``retrace`` it is a ReTrace drafter whose fusion starts at zero (exactly DFlash)."""
     cfg = DrafterConfig(
         hidden_size=target_cfg.hidden_size,
         intermediate_size=intermediate_size or target_cfg.intermediate_size,
@@ -226,5 +240,6 @@ def init_drafter(target_cfg, *, mask_token_id: int, num_layers: int = 1, block_s
         target_layer_ids=tuple(target_layer_ids or default_target_layer_ids(target_cfg.num_layers, num_layers)),
         num_target_layers=target_cfg.num_layers,
         vocab_size=target_cfg.vocab_size,
+        retrace=retrace,
     )
     return DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(seed))

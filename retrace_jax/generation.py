@@ -52,11 +52,13 @@ def generate(
     stop_token_ids: Sequence[int] = (),
     seed: int = 0,
     block_size: int | None = None,
+    use_retrace: bool = True,
 ) -> GenerateOutput:
     """Generates up to ``max_new_tokens`` for each prompt (token ids) in one compiled program.
 
     With a ``drafter``, decoding is speculative (lossless: the same tokens as without it); the block
-    size is the drafter's unless ``block_size`` overrides it. The batch, prompt length,
+    size is the drafter's unless ``block_size`` overrides it. A ReTrace drafter runs with its memory
+    unless ``use_retrace=False`` (an ablation: then it drafts exactly as a DFlash drafter). The batch, prompt length,
     ``max_new_tokens`` and stop list are padded to buckets, so calls whose sizes fall into the same
     buckets reuse the compiled program.
     """
@@ -81,7 +83,7 @@ def generate(
     drafter_def, drafter_state = nnx.split(drafter)
     buf, accept, rounds = speculative_generate(
         target_def, target_state, drafter_def, drafter_state, tokens, lens, live, max_new, stops,
-        capacity=capacity, block_size=block_size,
+        capacity=capacity, block_size=block_size, use_retrace=bool(use_retrace),
     )
     out_tokens, num, accept, rounds = jax.device_get((buf.tokens, buf.num, accept, rounds))
     return GenerateOutput(

@@ -19,6 +19,7 @@ from safetensors.numpy import save_file
 
 from retrace_jax.config import ConfigError, ModelConfig, read_config_json
 from retrace_jax.drafter import DFlashDrafter, DrafterConfig
+from retrace_jax.retrace import ReTraceConfig, ReTraceFusion
 from retrace_jax.target import TargetModel
 
 SINGLE_FILE = "model.safetensors"
@@ -100,6 +101,19 @@ def drafter_specs(cfg: DrafterConfig) -> list[WeightSpec]:
     return specs
 
 
+def retrace_specs(cfg: ReTraceConfig) -> list[WeightSpec]:
+    """``retrace.{correct,value,gate}.weight``, or ``.down.weight`` / ``.up.weight`` pairs with a rank."""
+    names = ("correct", "value", "gate") if cfg.gate else ("correct", "value")
+    if cfg.rank is None:
+        return [WeightSpec(f"retrace.{n}.weight", ("retrace", n, "full", "kernel"), True) for n in names]
+    return [WeightSpec(f"retrace.{n}.{f}.weight", ("retrace", n, f, "kernel"), True)
+            for n in names for f in ("down", "up")]
+
+
+def all_drafter_specs(cfg: DrafterConfig) -> list[WeightSpec]:
+    return drafter_specs(cfg) + (retrace_specs(cfg.retrace) if cfg.retrace is not None else [])
+
+
 class TensorReader:
     """Reads tensors by name from ``model.safetensors`` or from shards listed in the index file."""
 
@@ -134,8 +148,11 @@ def strip_prefix(names: Iterable[str], prefix: str) -> dict[str, str]:
 
 
 def load_into(module: nnx.Module, specs: list[WeightSpec], reader: TensorReader, dtype, *,
-              aliases: dict[str, str] | None = None, ignore: Iterable[str] = ()) -> nnx.Module:
-    """Fills an (abstract) module's parameters from a checkpoint, checking names and shapes."""
+              aliases: dict[str, str] | None = None, ignore: Iterable[str] = (),
+              fresh: dict[tuple, jax.Array] | None = None) -> nnx.Module:
+    """Fills an (abstract) module's parameters from a checkpoint, checking names and shapes.
+
+    ``fresh`` supplies parameters that the checkpoint does not hold (by state path)."""
     aliases = aliases or {n: n for n in reader.names()}
     wanted = {s.hf_name for s in specs}
     ignore = set(ignore)
@@ -159,7 +176,9 @@ def load_into(module: nnx.Module, specs: list[WeightSpec], reader: TensorReader,
                 f"the config implies {tuple(spec.to_hf(np.empty(expected)).shape)}"
             )
         flat[spec.path].set_value(jnp.asarray(array, dtype=dtype))
-    covered = {s.path for s in specs}
+    for path, value in (fresh or {}).items():
+        flat[path].set_value(value)
+    covered = {s.path for s in specs} | set(fresh or {})
     left = [p for p in flat if p not in covered]
     if left:
         raise AssertionError(f"parameters with no checkpoint tensor: {left}")
@@ -216,14 +235,36 @@ def check_drafter_matches(cfg: DrafterConfig, target_cfg: ModelConfig) -> None:
         raise ConfigError("drafter does not match the target: " + "; ".join(problems))
 
 
-def load_drafter(path: str, target: TargetModel, dtype="float32") -> DFlashDrafter:
-    """Loads a DFlash drafter in the official layout (a ``model.`` prefix is accepted) for ``target``."""
+def load_drafter(path: str, target: TargetModel, dtype="float32", *, retrace: bool | None = None,
+                 seed: int = 0) -> DFlashDrafter:
+    """Loads a drafter in the official DFlash layout (a ``model.`` prefix is accepted) for ``target``.
+
+    A checkpoint whose config has ``retrace_config`` loads as a ReTrace drafter. ``retrace=True`` turns
+    a plain DFlash checkpoint into a ReTrace drafter whose new module starts at zero (``W_v = 0``, so it
+    drafts exactly as before); ``retrace=False`` loads only the DFlash part of a ReTrace checkpoint.
+    """
     dtype = resolve_dtype(dtype)
-    cfg = DrafterConfig.from_hf(read_config_json(path))
+    stored = DrafterConfig.from_hf(read_config_json(path))
+    cfg = stored
+    if retrace is True and stored.retrace is None:
+        cfg = dataclasses.replace(stored, retrace=ReTraceConfig())
+    elif retrace is False:
+        cfg = dataclasses.replace(stored, retrace=None)
     check_drafter_matches(cfg, target.cfg)
     reader = TensorReader(path)
     module = abstract_module(lambda: DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
-    return load_into(module, drafter_specs(cfg), reader, dtype, aliases=strip_prefix(reader.names(), "model."))
+    specs = drafter_specs(cfg)
+    ignore: list[str] = []
+    fresh = None
+    if stored.retrace is not None and cfg.retrace is None:
+        ignore = [s.hf_name for s in retrace_specs(stored.retrace)]
+    elif cfg.retrace is not None and stored.retrace is None:
+        init = ReTraceFusion(cfg.retrace, cfg.hidden_size, cfg.hidden_size, dtype=dtype, rngs=nnx.Rngs(seed))
+        fresh = {("retrace",) + p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(init))}
+    elif cfg.retrace is not None:
+        specs = specs + retrace_specs(cfg.retrace)
+    return load_into(module, specs, reader, dtype, aliases=strip_prefix(reader.names(), "model."),
+                     ignore=ignore, fresh=fresh)
 
 
 def save_drafter(drafter: DFlashDrafter, path: str) -> None:
@@ -233,7 +274,7 @@ def save_drafter(drafter: DFlashDrafter, path: str) -> None:
     hf["torch_dtype"] = jnp.dtype(drafter.dtype).name
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
-    tensors = export_tensors(drafter, drafter_specs(drafter.cfg))
+    tensors = export_tensors(drafter, all_drafter_specs(drafter.cfg))
     save_file(tensors, os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
 
 

@@ -18,6 +18,7 @@ from flax import nnx, struct
 
 from retrace_jax.commit import OutputBuffer, commit
 from retrace_jax.kv_cache import KVCache
+from retrace_jax.retrace import Memory, shift_memory
 from retrace_jax.target import prefill
 from retrace_jax.verify import accepted_count, committed_tokens
 
@@ -30,23 +31,26 @@ class SpecCarry:
     anchor_b: jax.Array  # [B] the committed token at position start
     accept_br: jax.Array  # [B, R] a + 1 of each round
     rounds_b: jax.Array  # [B] rounds run by each row
+    memory: Memory | None  # ReTrace's rejected-suffix buffer (None for DFlash)
 
 
-def draft_block(target, drafter, anchor_b, draft_cache: KVCache, block_size: int):
-    """The drafter's proposals ``[B, block_size - 1]`` for the slots after the anchor."""
+def draft_block(target, drafter, anchor_b, draft_cache: KVCache, block_size: int, memory: Memory | None = None):
+    """The drafter's proposals ``[B, block_size - 1]`` for the slots after the anchor, and its
+    final-norm states of the whole block ``[B, block_size, d]``."""
     batch = anchor_b.shape[0]
     mask_tokens = jnp.full((batch, block_size - 1), drafter.cfg.mask_token_id, jnp.int32)
     block = jnp.concatenate([anchor_b[:, None], mask_tokens], axis=1)
-    hidden = drafter.draft(target.embed(block), draft_cache)
-    return jnp.argmax(target.logits(hidden[:, 1:]), -1).astype(jnp.int32)
+    hidden = drafter.draft(target.embed(block), draft_cache, memory)
+    return jnp.argmax(target.logits(hidden[:, 1:]), -1).astype(jnp.int32), hidden
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "capacity", "block_size"))
+@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "capacity", "block_size", "use_retrace"))
 def speculative_generate(target_def, target_state, drafter_def, drafter_state, tokens_bp, prompt_lens_b,
-                         live_b, max_new, stop_ids, *, capacity, block_size):
+                         live_b, max_new, stop_ids, *, capacity, block_size, use_retrace=True):
     """Greedy speculative decoding of a right-padded batch (rows with ``live_b`` False are padding).
 
-    Returns the output buffer, the acceptance lengths ``[B, capacity]`` and the rounds per row.
+    A ReTrace drafter carries its rejected-suffix memory from round to round unless ``use_retrace`` is
+    False. Returns the output buffer, the acceptance lengths ``[B, capacity]`` and the rounds per row.
     """
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state)
@@ -62,11 +66,15 @@ def speculative_generate(target_def, target_state, drafter_def, drafter_state, t
     first_b = jnp.argmax(logits_bv, -1).astype(jnp.int32)
     buf = OutputBuffer.empty(batch, capacity, ~live_b)
     buf = commit(buf, first_b[:, None], jnp.ones((batch,), jnp.int32), max_new, stop_ids)
+    memory = None
+    if use_retrace and drafter.cfg.retrace is not None:
+        d = drafter.cfg.hidden_size
+        memory = Memory.empty(batch, block_size, d, target.cfg.hidden_size, drafter.dtype)
 
     def round_(c: SpecCarry) -> SpecCarry:
         active = ~c.buf.done
         start = c.target_cache.lengths
-        proposals = draft_block(target, drafter, c.anchor_b, c.draft_cache, block_size)
+        proposals, draft_hidden = draft_block(target, drafter, c.anchor_b, c.draft_cache, block_size, c.memory)
         block = jnp.concatenate([c.anchor_b[:, None], proposals], axis=1)
         out = target(block, c.target_cache, feature_layers=layer_ids)
         choice = jnp.argmax(target.logits(out.hidden), -1).astype(jnp.int32)  # [B, block]
@@ -84,6 +92,7 @@ def speculative_generate(target_def, target_state, drafter_def, drafter_state, t
             anchor_b=jnp.where(active, next_anchor, c.anchor_b),
             accept_br=accept,
             rounds_b=c.rounds_b + active.astype(jnp.int32),
+            memory=None if c.memory is None else shift_memory(draft_hidden, out.hidden.astype(drafter.dtype), a),
         )
 
     init = SpecCarry(
@@ -93,6 +102,7 @@ def speculative_generate(target_def, target_state, drafter_def, drafter_state, t
         anchor_b=first_b,
         accept_br=jnp.zeros((batch, capacity), jnp.int32),
         rounds_b=jnp.zeros((batch,), jnp.int32),
+        memory=memory,
     )
     final = jax.lax.while_loop(lambda c: ~jnp.all(c.buf.done), round_, init)
     return final.buf, final.accept_br, final.rounds_b

@@ -1,0 +1,150 @@
+"""ReTrace: buffer alignment, zero-init equivalence with DFlash, losslessness, checkpoints."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import retrace_jax as rj
+from retrace_jax.retrace import Memory, ReTraceFusion, shift_memory
+from tests.dflash_reference import RefDFlashDraftModel
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 16).flatmap(lambda k: st.tuples(st.just(k), st.integers(0, k - 1), st.integers(0, 1000))))
+def test_buffer_entries_hold_the_same_absolute_position(case):
+    """Encode each state with the absolute position it describes; after the shift, every valid slot
+    of the next block holds states of exactly that slot's position."""
+    k, a, s = case
+    hd = (s + jnp.arange(k, dtype=jnp.float32))[None, :, None]  # hd[i] describes position s + i
+    ht = (s + 1 + jnp.arange(k, dtype=jnp.float32))[None, :, None]  # ht[i] scores position s + i + 1
+    mem = shift_memory(hd, ht, jnp.asarray([a], jnp.int32))
+    next_start = s + a + 1
+    for j in range(k):
+        expect_valid = 1 <= j <= k - 2 - a
+        assert bool(mem.valid[0, j]) == expect_valid
+        if expect_valid:
+            assert float(mem.mem_d[0, j, 0]) == next_start + j
+            assert float(mem.mem_t[0, j, 0]) == next_start + j
+
+
+def _fusion(signals="both", rank=None, gate=True, seed=0):
+    f = ReTraceFusion(rj.ReTraceConfig(signals=signals, rank=rank, gate=gate), 8, 8, rngs=nnx.Rngs(seed))
+    graphdef, state = nnx.split(f)
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 16))
+    state = jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape), state)  # W_v non-zero
+    return nnx.merge(graphdef, state)
+
+
+@pytest.mark.parametrize("signals,rank,gate", [("both", None, True), ("drafter", 3, True), ("target", None, False)])
+def test_invalid_entries_have_no_effect(signals, rank, gate):
+    fusion = _fusion(signals, rank, gate)
+    rng = np.random.RandomState(0)
+    emb = jnp.asarray(rng.randn(2, 5, 8), jnp.float32)
+    valid = jnp.asarray([[0, 1, 1, 0, 0], [0, 0, 0, 0, 0]], bool)
+    mem = Memory(jnp.asarray(rng.randn(2, 5, 8), jnp.float32), jnp.asarray(rng.randn(2, 5, 8), jnp.float32), valid)
+    garbage = Memory(jnp.where(valid[..., None], mem.mem_d, 1e3), jnp.where(valid[..., None], mem.mem_t, -1e3), valid)
+    out, out_garbage = fusion(emb, mem), fusion(emb, garbage)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out_garbage))
+    np.testing.assert_array_equal(np.asarray(out)[~np.asarray(valid)], np.asarray(emb)[~np.asarray(valid)])
+    assert not np.allclose(np.asarray(out)[np.asarray(valid)], np.asarray(emb)[np.asarray(valid)])
+
+
+def test_fusion_formula():
+    fusion = _fusion()
+    rng = np.random.RandomState(1)
+    e, md, mt = (rng.randn(1, 3, 8).astype(np.float32) for _ in range(3))
+    valid = np.array([[False, True, True]])
+    out = np.asarray(fusion(jnp.asarray(e), Memory(jnp.asarray(md), jnp.asarray(mt), jnp.asarray(valid)), beta=0.5))
+    wc, wv, wg = (np.asarray(getattr(fusion, n).full.kernel[...]) for n in ("correct", "value", "gate"))
+    r = md + 0.5 * np.concatenate([md, mt], -1) @ wc
+    gate = 1 / (1 + np.exp(-(np.concatenate([e, r], -1) @ wg)))
+    want = e + valid[..., None] * (r @ wv) * gate
+    np.testing.assert_allclose(out, want, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def qwen3(hf_model_dir):
+    return rj.load_target(hf_model_dir("qwen3")[1])
+
+
+@pytest.fixture(scope="module")
+def dflash_dir(trained_drafter, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("dflash"))
+    rj.save_drafter(trained_drafter[0], path)
+    return path
+
+
+def _with_random_retrace(drafter, seed=0, scale=0.3):
+    graphdef, state = nnx.split(drafter)
+    flat = dict(nnx.to_flat_state(state))
+    key = jax.random.PRNGKey(seed)
+    for path, var in flat.items():
+        if path[0] == "retrace":
+            key, sub = jax.random.split(key)
+            var.set_value(scale * jax.random.normal(sub, var.get_value().shape))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def test_zero_initialised_retrace_is_exactly_dflash(qwen3, trained_drafter, dflash_dir):
+    dflash, prompts = trained_drafter
+    retrace = rj.load_drafter(dflash_dir, qwen3, retrace=True)
+    assert retrace.cfg.retrace == rj.ReTraceConfig()
+    assert not np.any(np.asarray(retrace.retrace.value.full.kernel[...]))
+    assert np.any(np.asarray(retrace.retrace.correct.full.kernel[...]))
+    a = rj.generate(qwen3, prompts[:6], 32, drafter=dflash)
+    b = rj.generate(qwen3, prompts[:6], 32, drafter=retrace)
+    assert a == b
+
+
+def test_random_retrace_weights_stay_lossless_and_change_the_traces(qwen3, trained_drafter, dflash_dir):
+    dflash, prompts = trained_drafter
+    retrace = _with_random_retrace(rj.load_drafter(dflash_dir, qwen3, retrace=True))
+    plain = rj.generate(qwen3, prompts[:8], 32)
+    dfl = rj.generate(qwen3, prompts[:8], 32, drafter=dflash)
+    ret = rj.generate(qwen3, prompts[:8], 32, drafter=retrace)
+    assert ret.tokens == plain.tokens == dfl.tokens
+    assert ret.acceptance_lengths != dfl.acceptance_lengths  # the memory reaches the drafter
+    off = rj.generate(qwen3, prompts[:8], 32, drafter=retrace, use_retrace=False)
+    assert off == dfl  # memory switched off: exactly the DFlash drafter
+
+
+def test_batched_retrace_rows_equal_rows_alone(qwen3, dflash_dir, trained_drafter):
+    _, prompts = trained_drafter
+    retrace = _with_random_retrace(rj.load_drafter(dflash_dir, qwen3, retrace=True), seed=1, scale=0.1)
+    batched = rj.generate(qwen3, prompts[:5], 30, drafter=retrace)
+    assert len({tuple(a) for a in batched.acceptance_lengths}) > 1  # rows accept differently
+    for i, p in enumerate(prompts[:5]):
+        alone = rj.generate(qwen3, [p], 30, drafter=retrace)
+        assert (alone.tokens[0], alone.acceptance_lengths[0]) == (batched.tokens[i], batched.acceptance_lengths[i])
+
+
+@pytest.mark.parametrize("cfg", [rj.ReTraceConfig(), rj.ReTraceConfig(signals="drafter", rank=4, gate=False)])
+def test_retrace_checkpoint_round_trip(qwen3, dflash_dir, tmp_path, cfg):
+    base = rj.load_drafter(dflash_dir, qwen3)
+    import dataclasses
+    drafter = rj.DFlashDrafter(dataclasses.replace(base.cfg, retrace=cfg), rngs=nnx.Rngs(0))
+    drafter = _with_random_retrace(drafter, seed=2)
+    rj.save_drafter(drafter, str(tmp_path))
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["retrace_config"] == {"enabled": True, "signals": cfg.signals, "rank": cfg.rank,
+                                                  "gate": cfg.gate}
+    loaded = rj.load_drafter(str(tmp_path), qwen3)
+    assert loaded.cfg == drafter.cfg
+    for (p, a), (_, b) in zip(nnx.to_flat_state(nnx.state(drafter)), nnx.to_flat_state(nnx.state(loaded))):
+        np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(p))
+    # Loaded as plain DFlash, the extra tensors are ignored.
+    assert rj.load_drafter(str(tmp_path), qwen3, retrace=False).cfg.retrace is None
+
+
+def test_reference_pytorch_loads_the_dflash_part(qwen3, dflash_dir, tmp_path):
+    retrace = _with_random_retrace(rj.load_drafter(dflash_dir, qwen3, retrace=True))
+    rj.save_drafter(retrace, str(tmp_path))
+    _, info = RefDFlashDraftModel.from_pretrained(str(tmp_path), output_loading_info=True)
+    assert not info["missing_keys"]
+    assert sorted(info["unexpected_keys"]) == ["retrace.correct.weight", "retrace.gate.weight", "retrace.value.weight"]
