@@ -1,8 +1,11 @@
-"""Decode from the command line: plain greedy generation with a Hugging Face target directory.
+"""Decode from the command line: plain greedy and speculative decoding side by side.
 
-    python decode.py --target DIR --prompt "Write a haiku about JAX."
+    python decode.py --target DIR --drafter DRAFTER_DIR --prompt "Write a haiku about JAX."
 
-Without --target it decodes with a tiny random Qwen3 made on the spot (meaningless tokens; a smoke run).
+Prints the text, then τ (mean acceptance length per round, with the bonus token; mean over rounds)
+and tokens/s of each method, timed after compilation. With a ReTrace drafter it shows DFlash (memory
+off) and ReTrace side by side. Without --target it runs a smoke test on a tiny random Qwen3 and a
+random drafter made on the spot (meaningless tokens, τ near 1).
 """
 
 from __future__ import annotations
@@ -11,18 +14,19 @@ import argparse
 import os
 import time
 
-import numpy as np
-
 import retrace_jax as rj
 from retrace_jax.tiny import tiny_target
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", help="Hugging Face model directory (config.json, safetensors, tokenizer)")
+    p.add_argument("--target", help='Hugging Face model directory (config.json, safetensors, tokenizer), '
+                                    'or "tiny" for the tiny random Qwen3 (token ids, no tokenizer)')
+    p.add_argument("--drafter", help="DFlash or ReTrace drafter directory (official DFlash layout)")
     p.add_argument("--prompt", default="Explain speculative decoding in one paragraph.")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=None, help="override the drafter's block size")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     return p.parse_args(argv)
 
@@ -40,14 +44,15 @@ def encode(tokenizer, prompt: str, raw: bool) -> list[int]:
         return tokenizer.encode(prompt)
     messages = [{"role": "user", "content": prompt}]
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False,
-                                             tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False,
+                                            tokenize=True, return_dict=False)
     except TypeError:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids)
 
 
 def timed_generate(target, ids, **kwargs):
-    """Compiles once, then times a second call (the steady-state speed)."""
+    """Compiles with a first call, then times a second one (the steady-state speed)."""
     start = time.perf_counter()
     rj.generate(target, [ids], **kwargs)
     compile_s = time.perf_counter() - start
@@ -58,22 +63,47 @@ def timed_generate(target, ids, **kwargs):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.target:
-        target = rj.load_target(args.target, dtype=args.dtype)
-        tokenizer = load_tokenizer(args.target)
-        ids = encode(tokenizer, args.prompt, args.raw)
-        stops = [t for t in {tokenizer.eos_token_id, tokenizer.pad_token_id} if t is not None]
-    else:
-        print("No --target given: decoding with a tiny random Qwen3 made on the spot "
-              "(its tokens are meaningless). Pass --target DIR to decode with a real model.")
+    if args.drafter and not args.target:
+        raise SystemExit("--drafter needs --target (the model it was trained for)")
+    if args.target == "tiny":
         target, tokenizer = tiny_target(), None
         ids = [b % target.cfg.vocab_size for b in args.prompt.encode()]
         stops = []
-    out, compile_s, wall_s = timed_generate(target, ids, max_new_tokens=args.max_new_tokens, stop_token_ids=stops)
-    tokens = out.tokens[0]
-    print(tokenizer.decode(tokens) if tokenizer else f"token ids: {tokens}")
-    print(f"\nplain greedy: {len(tokens)} tokens in {wall_s:.3f}s = {len(tokens) / wall_s:.1f} tokens/s "
-          f"(first call, with compilation: {compile_s:.2f}s)")
+        drafter = rj.load_drafter(args.drafter, target) if args.drafter else None
+    elif args.target:
+        target = rj.load_target(args.target, dtype=args.dtype)
+        tokenizer = load_tokenizer(args.target)
+        ids = encode(tokenizer, args.prompt, args.raw)
+        stops = sorted({t for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t is not None})
+        drafter = rj.load_drafter(args.drafter, target, dtype=args.dtype) if args.drafter else None
+    else:
+        print("No --target given: a smoke run with a tiny random Qwen3 and a random drafter made on the spot "
+              "(meaningless tokens, τ near 1). Pass --target DIR [--drafter DIR] for real models.\n")
+        target, tokenizer = tiny_target(), None
+        ids = [b % target.cfg.vocab_size for b in args.prompt.encode()]
+        stops = []
+        drafter = rj.init_drafter(target.cfg, mask_token_id=target.cfg.vocab_size - 1, num_layers=1, block_size=8)
+
+    common = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=stops)
+    methods = [("plain", {})]
+    if drafter is not None:
+        spec = dict(drafter=drafter, block_size=args.block_size)
+        if drafter.cfg.retrace is not None:
+            methods += [("dflash", dict(spec, use_retrace=False)), ("retrace", spec)]
+        else:
+            methods += [("dflash", spec)]
+    rows = []
+    for name, kwargs in methods:
+        out, compile_s, wall_s = timed_generate(target, ids, **common, **kwargs)
+        rows.append((name, out, compile_s, wall_s))
+    plain_tokens, plain_s = rows[0][1].tokens[0], rows[0][3]
+    print(tokenizer.decode(plain_tokens) if tokenizer else f"token ids: {plain_tokens}")
+    print(f"\n{'method':8} {'tokens':>6} {'tau':>6} {'tokens/s':>9} {'speedup':>8} {'compile s':>9}  same as plain")
+    for name, out, compile_s, wall_s in rows:
+        n = len(out.tokens[0])
+        tau = out.tau() if name != "plain" else 1.0
+        print(f"{name:8} {n:6d} {tau:6.2f} {n / wall_s:9.1f} {plain_s / wall_s:7.2f}x {compile_s:9.2f}  "
+              f"{'yes' if out.tokens[0] == plain_tokens else 'NO'}")
 
 
 if __name__ == "__main__":
