@@ -1,9 +1,11 @@
 """τ and wall time of DFlash speculative decoding against plain decoding on a tiny random target.
 
-The drafter is trained on the spot on the target's own greedy outputs, then both decoders run the same
-held-out prompts one at a time (batch 1), alternating, after compilation. Prints a table; writes JSON.
+The drafter is trained on the spot on the target's own greedy outputs (or loaded with --load), then
+both decoders run the same held-out prompts one at a time (batch 1), alternating, after compilation.
+τ is also measured at T = 1 for both draft rules. Prints a table; writes JSON.
 
-    python benchmarks/tiny_speculative.py --steps 1500 --out runs/tiny_speculative.json
+    python benchmarks/tiny_speculative.py --steps 1500 --train-prompts 4096 --save runs/tiny_bench_drafter
+    python benchmarks/tiny_speculative.py --load runs/tiny_bench_drafter
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ def main():
     p.add_argument("--drafter-layers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3, help="timed passes over the eval prompts")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--save", default=None, help="save the trained drafter here")
+    p.add_argument("--load", default=None, help="load a drafter instead of training one")
     args = p.parse_args()
 
     target = tiny_target()
@@ -42,12 +46,19 @@ def main():
     train, held_out = prompts[: args.train_prompts], prompts[args.train_prompts :]
 
     t0 = time.perf_counter()
-    tokens, mask = regenerate(target, train, args.max_new_tokens)
-    drafter = rj.init_drafter(target.cfg, mask_token_id=vocab - 1, num_layers=args.drafter_layers,
-                              block_size=args.block_size)
-    drafter = train_dflash(target, drafter, tokens, mask, steps=args.steps, batch_size=32,
-                           log=lambda m: print("  train", m), log_every=max(1, args.steps // 5))
+    if args.load:
+        drafter = rj.load_drafter(args.load, target)
+    else:
+        tokens, mask = regenerate(target, train, args.max_new_tokens)
+        drafter = rj.init_drafter(target.cfg, mask_token_id=vocab - 1, num_layers=args.drafter_layers,
+                                  block_size=args.block_size)
+        drafter = train_dflash(target, drafter, tokens, mask, steps=args.steps, batch_size=32,
+                               log=lambda m: print("  train", m), log_every=max(1, args.steps // 5))
+        if args.save:
+            rj.save_drafter(drafter, args.save)
     train_s = time.perf_counter() - t0
+    sampled = {rule: rj.generate(target, held_out, args.max_new_tokens, drafter=drafter, temperature=1.0,
+                                 draft_rule=rule, seed=1) for rule in ("argmax", "sample")}
 
     spec = rj.generate(target, held_out, args.max_new_tokens, drafter=drafter)
     plain = rj.generate(target, held_out, args.max_new_tokens)
@@ -67,12 +78,16 @@ def main():
             n_tokens += len(out.tokens[0])
     result = {
         "target": "tiny random Qwen3 (4 layers, d=128, vocab 512)",
-        "drafter_layers": args.drafter_layers,
-        "block_size": args.block_size,
-        "train_steps": args.steps,
-        "train_and_regenerate_seconds": round(train_s, 1),
-        "tau_mean_of_prompt_means": round(spec.tau(), 3),
-        "tau_pooled": round(spec.tau_pooled(), 3),
+        "drafter": args.load or f"{args.drafter_layers} layers, {args.steps} steps on {args.train_prompts} prompts",
+        "block_size": drafter.cfg.block_size,
+        "train_and_regenerate_seconds": None if args.load else round(train_s, 1),
+        "eval_prompts": len(held_out),
+        "tau_T0 (mean of prompt means)": round(spec.tau(), 3),
+        "tau_T0_pooled": round(spec.tau_pooled(), 3),
+        "tau_T1_argmax_rule": round(sampled["argmax"].tau(), 3),
+        "tau_T1_argmax_rule_pooled": round(sampled["argmax"].tau_pooled(), 3),
+        "tau_T1_sample_rule": round(sampled["sample"].tau(), 3),
+        "tau_T1_sample_rule_pooled": round(sampled["sample"].tau_pooled(), 3),
         "plain_tokens_per_s": round(n_tokens / times["plain"], 1),
         "dflash_tokens_per_s": round(n_tokens / times["dflash"], 1),
         "wall_time_ratio_dflash_over_plain": round(times["dflash"] / times["plain"], 3),

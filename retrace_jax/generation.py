@@ -12,6 +12,7 @@ from flax import nnx
 from retrace_jax.drafter import DFlashDrafter
 from retrace_jax.hf_io import check_drafter_matches
 from retrace_jax.plain_loop import plain_generate
+from retrace_jax.sampling import SamplingMode, SamplingParams
 from retrace_jax.speculative_loop import speculative_generate
 from retrace_jax.target import TargetModel
 
@@ -53,17 +54,24 @@ def generate(
     seed: int = 0,
     block_size: int | None = None,
     use_retrace: bool = True,
+    draft_rule: str = "argmax",
 ) -> GenerateOutput:
     """Generates up to ``max_new_tokens`` for each prompt (token ids) in one compiled program.
 
     With a ``drafter``, decoding is speculative (lossless: the same tokens as without it); the block
     size is the drafter's unless ``block_size`` overrides it. A ReTrace drafter runs with its memory
-    unless ``use_retrace=False`` (an ablation: then it drafts exactly as a DFlash drafter). The batch, prompt length,
+    unless ``use_retrace=False`` (an ablation: then it drafts exactly as a DFlash drafter).
+
+    ``temperature > 0`` samples from the target's distribution after temperature, top-k (0: off) and
+    top-p (1.0: off); speculative sampling keeps that distribution exactly. ``draft_rule="argmax"``
+    proposes the drafter's argmax (a one-hot draft distribution); ``"sample"`` draws proposals from the
+    drafter's own filtered distribution. Each row has its own random stream; ``seed`` makes runs
+    reproducible. The batch, prompt length,
     ``max_new_tokens`` and stop list are padded to buckets, so calls whose sizes fall into the same
     buckets reuse the compiled program.
     """
-    if temperature != 0.0 or top_k != 0 or top_p != 1.0:
-        raise NotImplementedError("sampling (temperature/top_k/top_p) is not available yet; use greedy")
+    mode = _sampling_mode(temperature, top_k, top_p, draft_rule)
+    sampling = SamplingParams.make(temperature, top_k, top_p, seed)
     batch = _check_prompts(target, prompts, max_new_tokens)
     capacity = bucket(max_new_tokens)
     tokens, lens, live = _pad_prompts(prompts, bucket(batch, 1), bucket(max(map(len, prompts))))
@@ -71,7 +79,8 @@ def generate(
     target_def, target_state = nnx.split(target)
     max_new = np.int32(max_new_tokens)
     if drafter is None:
-        buf = plain_generate(target_def, target_state, tokens, lens, live, max_new, stops, capacity=capacity)
+        buf = plain_generate(target_def, target_state, tokens, lens, live, max_new, stops, sampling,
+                             capacity=capacity, mode=mode)
         out_tokens, num = jax.device_get((buf.tokens, buf.num))
         new = [out_tokens[b, : num[b]].tolist() for b in range(batch)]
         return GenerateOutput(tokens=new, acceptance_lengths=[[1] * len(t) for t in new])
@@ -82,14 +91,28 @@ def generate(
         raise ValueError(f"block_size must be at least 2, got {block_size}")
     drafter_def, drafter_state = nnx.split(drafter)
     buf, accept, rounds = speculative_generate(
-        target_def, target_state, drafter_def, drafter_state, tokens, lens, live, max_new, stops,
-        capacity=capacity, block_size=block_size, use_retrace=bool(use_retrace),
+        target_def, target_state, drafter_def, drafter_state, tokens, lens, live, max_new, stops, sampling,
+        capacity=capacity, block_size=block_size, use_retrace=bool(use_retrace), mode=mode,
     )
     out_tokens, num, accept, rounds = jax.device_get((buf.tokens, buf.num, accept, rounds))
     return GenerateOutput(
         tokens=[out_tokens[b, : num[b]].tolist() for b in range(batch)],
         acceptance_lengths=[accept[b, : rounds[b]].tolist() for b in range(batch)],
     )
+
+
+def _sampling_mode(temperature, top_k, top_p, draft_rule) -> SamplingMode:
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+    if int(top_k) != top_k or top_k < 0:
+        raise ValueError(f"top_k must be a non-negative integer (0: off), got {top_k!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
+    if draft_rule not in ("argmax", "sample"):
+        raise ValueError(f"draft_rule must be 'argmax' or 'sample', got {draft_rule!r}")
+    if temperature == 0:  # greedy: the filters keep the argmax, so they change nothing
+        return SamplingMode()
+    return SamplingMode(sample=True, top_k=top_k > 0, top_p=top_p < 1, draft_rule=draft_rule)
 
 
 def _check_prompts(target: TargetModel, prompts, max_new_tokens: int) -> int:

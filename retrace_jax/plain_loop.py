@@ -10,6 +10,7 @@ from flax import nnx, struct
 
 from retrace_jax.commit import OutputBuffer, commit
 from retrace_jax.kv_cache import KVCache
+from retrace_jax.sampling import SamplingMode, SamplingParams, row_keys, step_keys
 from retrace_jax.target import prefill
 
 
@@ -20,23 +21,26 @@ class PlainCarry:
     last_b: jax.Array  # [B] the token fed to the next step
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "capacity"))
-def plain_generate(graphdef, state, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, *, capacity):
-    """Greedy decoding of a right-padded batch; rows with ``live_b`` False are padding.
+@functools.partial(jax.jit, static_argnames=("graphdef", "capacity", "mode"))
+def plain_generate(graphdef, state, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids,
+                   sampling: SamplingParams, *, capacity, mode: SamplingMode = SamplingMode()):
+    """Greedy or sampled decoding of a right-padded batch; rows with ``live_b`` False are padding.
 
+    Row ``b`` draws its ``n``-th token with ``fold_in(fold_in(PRNGKey(seed), b), n)``.
     Returns the output buffer (``capacity`` >= ``max_new`` slots per row).
     """
     model = nnx.merge(graphdef, state)
     batch, prompt_len = tokens_bp.shape
     cache = model.init_cache(batch, prompt_len + capacity)
     logits_bv, cache, _ = prefill(model, tokens_bp, prompt_lens_b, cache)
-    first_b = jnp.argmax(logits_bv, -1).astype(jnp.int32)
+    keys_b = row_keys(sampling.seed, batch)
+    first_b = sampling.choose(step_keys(keys_b, jnp.zeros((batch,), jnp.int32)), logits_bv, mode)
     ones_b = jnp.ones((batch,), jnp.int32)
     buf = commit(OutputBuffer.empty(batch, capacity, ~live_b), first_b[:, None], ones_b, max_new, stop_ids)
 
     def step(c: PlainCarry) -> PlainCarry:
         out = model(c.last_b[:, None], c.cache)
-        next_b = jnp.argmax(model.logits(out.hidden[:, 0]), -1).astype(jnp.int32)
+        next_b = sampling.choose(step_keys(keys_b, c.buf.num), model.logits(out.hidden[:, 0]), mode)
         lengths = jnp.where(c.buf.done, c.cache.lengths, out.cache.lengths)
         buf = commit(c.buf, next_b[:, None], ones_b, max_new, stop_ids)
         return PlainCarry(out.cache.replace(lengths=lengths), buf, next_b)

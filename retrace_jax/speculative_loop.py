@@ -19,8 +19,9 @@ from flax import nnx, struct
 from retrace_jax.commit import OutputBuffer, commit
 from retrace_jax.kv_cache import KVCache
 from retrace_jax.retrace import Memory, shift_memory
+from retrace_jax.sampling import SamplingMode, SamplingParams, row_keys, step_keys
 from retrace_jax.target import prefill
-from retrace_jax.verify import accepted_count, committed_tokens
+from retrace_jax.verify import accepted_count, committed_tokens, rejection_sample
 
 
 @struct.dataclass
@@ -35,19 +36,44 @@ class SpecCarry:
 
 
 def draft_block(target, drafter, anchor_b, draft_cache: KVCache, block_size: int, memory: Memory | None = None):
-    """The drafter's proposals ``[B, block_size - 1]`` for the slots after the anchor, and its
-    final-norm states of the whole block ``[B, block_size, d]``."""
+    """The drafter's final-norm states of the block ``[anchor, MASK, ...]``, ``[B, block_size, d]``."""
     batch = anchor_b.shape[0]
     mask_tokens = jnp.full((batch, block_size - 1), drafter.cfg.mask_token_id, jnp.int32)
     block = jnp.concatenate([anchor_b[:, None], mask_tokens], axis=1)
-    hidden = drafter.draft(target.embed(block), draft_cache, memory)
-    return jnp.argmax(target.logits(hidden[:, 1:]), -1).astype(jnp.int32), hidden
+    return drafter.draft(target.embed(block), draft_cache, memory)
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "capacity", "block_size", "use_retrace"))
+def make_proposals(keys_b, draft_logits_bkv, sampling: SamplingParams, mode: SamplingMode):
+    """The drafter's tokens ``[B, K]``: argmax, or draws from its filtered distribution q."""
+    if mode.sample and mode.draft_rule == "sample":
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys_b)
+        return jax.vmap(jax.random.categorical)(keys, sampling.logprobs(draft_logits_bkv, mode)).astype(jnp.int32)
+    return jnp.argmax(draft_logits_bkv, -1).astype(jnp.int32)
+
+
+def verify_round(keys_b, proposals_bk, draft_logits_bkv, target_logits_bjv, sampling: SamplingParams,
+                 mode: SamplingMode):
+    """Accepted count ``a`` and the round's tokens ``[B, K + 1]``, of which the first ``a + 1`` are
+    committed. Greedy: exact match with the target's argmax; else rejection sampling."""
+    if not mode.sample:
+        choice = jnp.argmax(target_logits_bjv, -1).astype(jnp.int32)
+        a = accepted_count(proposals_bk, choice)
+        return a, committed_tokens(proposals_bk, choice, a)
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, 2))(keys_b)
+    draft_logp = sampling.logprobs(draft_logits_bkv, mode) if mode.draft_rule == "sample" else None
+    a, next_b = rejection_sample(keys, proposals_bk, sampling.logprobs(target_logits_bjv, mode), draft_logp)
+    return a, committed_tokens(proposals_bk, jnp.broadcast_to(next_b[:, None], target_logits_bjv.shape[:2]), a)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("target_def", "drafter_def", "capacity", "block_size", "use_retrace", "mode")
+)
 def speculative_generate(target_def, target_state, drafter_def, drafter_state, tokens_bp, prompt_lens_b,
-                         live_b, max_new, stop_ids, *, capacity, block_size, use_retrace=True):
-    """Greedy speculative decoding of a right-padded batch (rows with ``live_b`` False are padding).
+                         live_b, max_new, stop_ids, sampling: SamplingParams, *, capacity, block_size,
+                         use_retrace=True, mode: SamplingMode = SamplingMode()):
+    """Speculative decoding of a right-padded batch (rows with ``live_b`` False are padding), greedy or
+    by rejection sampling; row ``b`` uses key ``fold_in(PRNGKey(seed), b)`` folded with its step
+    (0 for prefill, round + 1 after).
 
     A ReTrace drafter carries its rejected-suffix memory from round to round unless ``use_retrace`` is
     False. Returns the output buffer, the acceptance lengths ``[B, capacity]`` and the rounds per row.
@@ -63,7 +89,8 @@ def speculative_generate(target_def, target_state, drafter_def, drafter_state, t
     )
     draft_cache = drafter.extend_cache(features, drafter.init_cache(batch, max_len))
     draft_cache = draft_cache.replace(lengths=prompt_lens_b)
-    first_b = jnp.argmax(logits_bv, -1).astype(jnp.int32)
+    keys_b = row_keys(sampling.seed, batch)
+    first_b = sampling.choose(step_keys(keys_b, jnp.zeros((batch,), jnp.int32)), logits_bv, mode)
     buf = OutputBuffer.empty(batch, capacity, ~live_b)
     buf = commit(buf, first_b[:, None], jnp.ones((batch,), jnp.int32), max_new, stop_ids)
     memory = None
@@ -74,15 +101,17 @@ def speculative_generate(target_def, target_state, drafter_def, drafter_state, t
     def round_(c: SpecCarry) -> SpecCarry:
         active = ~c.buf.done
         start = c.target_cache.lengths
-        proposals, draft_hidden = draft_block(target, drafter, c.anchor_b, c.draft_cache, block_size, c.memory)
+        draft_hidden = draft_block(target, drafter, c.anchor_b, c.draft_cache, block_size, c.memory)
+        draft_logits = target.logits(draft_hidden[:, 1:])
+        keys = step_keys(keys_b, c.rounds_b + 1)
+        proposals = make_proposals(keys, draft_logits, sampling, mode)
         block = jnp.concatenate([c.anchor_b[:, None], proposals], axis=1)
         out = target(block, c.target_cache, feature_layers=layer_ids)
-        choice = jnp.argmax(target.logits(out.hidden), -1).astype(jnp.int32)  # [B, block]
-        a = accepted_count(proposals, choice)
-        buf = commit(c.buf, committed_tokens(proposals, choice, a), a + 1, max_new, stop_ids)
+        a, tokens = verify_round(keys, proposals, draft_logits, target.logits(out.hidden), sampling, mode)
+        buf = commit(c.buf, tokens, a + 1, max_new, stop_ids)
         new_start = jnp.where(active, start + a + 1, start)
         draft_cache = drafter.extend_cache(out.features, c.draft_cache)
-        next_anchor = jnp.take_along_axis(choice, a[:, None], axis=1)[:, 0]
+        next_anchor = jnp.take_along_axis(tokens, a[:, None], axis=1)[:, 0]
         rows = jnp.arange(batch)
         accept = c.accept_br.at[rows, jnp.where(active, c.rounds_b, capacity)].set(a + 1, mode="drop")
         return SpecCarry(

@@ -1,7 +1,9 @@
-"""Greedy verification: how many proposals the target accepts, and which tokens a round commits."""
+"""Verification: how many proposals the target accepts (greedy or by rejection sampling), and which
+tokens a round commits."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 
@@ -26,3 +28,41 @@ def committed_tokens(proposals_bk, target_bt, a_b):
     slot = jnp.arange(k + 1)[None, :]
     padded = jnp.concatenate([proposals_bk, jnp.zeros((b, 1), proposals_bk.dtype)], axis=1)
     return jnp.where(slot < a_b[:, None], padded, target_bt).astype(jnp.int32)
+
+
+def _sample_rows(keys_b, logp_bv):
+    return jax.vmap(jax.random.categorical)(keys_b, logp_bv).astype(jnp.int32)
+
+
+def rejection_sample(keys_b, proposals_bk, target_logp_bjv, draft_logp_bkv=None):
+    """Speculative sampling: ``(a, next_token)`` whose tokens follow the target's distribution exactly.
+
+    ``target_logp[b, k]`` is the target's (filtered) distribution for the token after block slot ``k``
+    (``K + 1`` slots); proposal ``k`` is the drafter's token for slot ``k + 1``. With ``draft_logp``
+    (proposals drawn from q), proposal ``x`` is accepted with probability ``min(1, p(x) / q(x))`` and a
+    rejection resamples from ``max(p - q, 0)``; without it the draft distribution is one-hot (argmax
+    proposals): accept with ``p(x)``, resample from ``p`` with ``x`` removed. After ``K`` acceptances the
+    bonus token is drawn from ``p`` of the last slot. ``keys_b`` holds one key per row.
+    """
+    b, k = proposals_bk.shape
+    keys = jax.vmap(lambda key: jax.random.split(key, 2))(keys_b)  # [B, 2, 2]
+    p_x = jnp.exp(jnp.take_along_axis(target_logp_bjv[:, :k], proposals_bk[..., None], -1)[..., 0])
+    if draft_logp_bkv is None:
+        ratio = p_x
+    else:
+        q_x = jnp.exp(jnp.take_along_axis(draft_logp_bkv, proposals_bk[..., None], -1)[..., 0])
+        ratio = jnp.minimum(1.0, p_x / jnp.maximum(q_x, 1e-30))
+    u = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(keys[:, 0])
+    a = jnp.sum(jnp.cumprod((u < ratio).astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+    rows = jnp.arange(b)
+    p_a = jnp.exp(target_logp_bjv[rows, a])  # [B, V]
+    slot = jnp.minimum(a, k - 1)
+    if draft_logp_bkv is None:
+        rejected = jax.nn.one_hot(proposals_bk[rows, slot], p_a.shape[-1], dtype=p_a.dtype)
+        residual = p_a * (1.0 - rejected)
+    else:
+        residual = jnp.maximum(p_a - jnp.exp(draft_logp_bkv[rows, slot]), 0.0)
+    residual = jnp.where((a < k)[:, None], residual, p_a)  # all accepted: the bonus comes from p
+    residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_a)
+    return a, _sample_rows(keys[:, 1], jnp.log(residual))
