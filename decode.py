@@ -34,6 +34,8 @@ def parse_args(argv=None):
                    help="speculative sampling: argmax proposals (one-hot q) or proposals drawn from q")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--mesh", default=None, help='shard over the devices, e.g. "data=2,tensor=4" (axes: data, '
+                                                'fsdp, tensor); default: one device')
     return p.parse_args(argv)
 
 
@@ -69,6 +71,7 @@ def timed_generate(target, ids, **kwargs):
 
 def main(argv=None):
     args = parse_args(argv)
+    mesh = rj.make_mesh(args.mesh) if args.mesh else None
     if args.drafter and not args.target:
         raise SystemExit("--drafter needs --target (the model it was trained for)")
     if args.target == "tiny":
@@ -77,11 +80,11 @@ def main(argv=None):
         stops = []
         drafter = rj.load_drafter(args.drafter, target) if args.drafter else None
     elif args.target:
-        target = rj.load_target(args.target, dtype=args.dtype)
+        target = rj.load_target(args.target, dtype=args.dtype, mesh=mesh)
         tokenizer = load_tokenizer(args.target)
         ids = encode(tokenizer, args.prompt, args.raw)
         stops = sorted({t for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t is not None})
-        drafter = rj.load_drafter(args.drafter, target, dtype=args.dtype) if args.drafter else None
+        drafter = rj.load_drafter(args.drafter, target, dtype=args.dtype, mesh=mesh) if args.drafter else None
     else:
         print("No --target given: a smoke run with a tiny random Qwen3 and a random drafter made on the spot "
               "(meaningless tokens, τ near 1). Pass --target DIR [--drafter DIR] for real models.\n")
@@ -91,7 +94,7 @@ def main(argv=None):
         drafter = rj.init_drafter(target.cfg, mask_token_id=target.cfg.vocab_size - 1, num_layers=1, block_size=8)
 
     common = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=stops, temperature=args.temperature,
-                  top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, mesh=mesh)
     methods = [("plain", {})]
     if drafter is not None:
         spec = dict(drafter=drafter, block_size=args.block_size, draft_rule=args.draft_rule)

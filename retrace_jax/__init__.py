@@ -3,7 +3,8 @@
 from retrace_jax.config import ConfigError, ModelConfig
 from retrace_jax.drafter import DFlashDrafter, DrafterConfig, init_drafter
 from retrace_jax.retrace import ReTraceConfig
-from retrace_jax.hf_io import CheckpointError, load_drafter, load_target, save_drafter
+from retrace_jax.hf_io import CheckpointError, load_drafter, load_target, save_drafter, shard_model
+from retrace_jax.sharding import make_mesh
 from retrace_jax.target import TargetModel
 
 __all__ = [
@@ -16,8 +17,10 @@ __all__ = [
     "TargetModel",
     "init_drafter",
     "load_drafter",
+    "make_mesh",
     "load_target",
     "save_drafter",
+    "shard_model",
 ]
 import retrace_jax.tiny as tiny
 from retrace_jax.generation import GenerateOutput, generate

@@ -10,9 +10,10 @@ import numpy as np
 from flax import nnx
 
 from retrace_jax.drafter import DFlashDrafter
-from retrace_jax.hf_io import check_drafter_matches
+from retrace_jax.hf_io import check_drafter_matches, shard_model
 from retrace_jax.plain_loop import plain_generate
 from retrace_jax.sampling import SamplingMode, SamplingParams
+from retrace_jax.sharding import axis_size, named_sharding
 from retrace_jax.speculative_loop import speculative_generate
 from retrace_jax.target import TargetModel
 
@@ -55,6 +56,7 @@ def generate(
     block_size: int | None = None,
     use_retrace: bool = True,
     draft_rule: str = "argmax",
+    mesh=None,
 ) -> GenerateOutput:
     """Generates up to ``max_new_tokens`` for each prompt (token ids) in one compiled program.
 
@@ -66,7 +68,11 @@ def generate(
     top-p (1.0: off); speculative sampling keeps that distribution exactly. ``draft_rule="argmax"``
     proposes the drafter's argmax (a one-hot draft distribution); ``"sample"`` draws proposals from the
     drafter's own filtered distribution. Each row has its own random stream; ``seed`` makes runs
-    reproducible. The batch, prompt length,
+    reproducible.
+
+    With a ``mesh`` (see ``rj.make_mesh``) the same program runs sharded: parameters by the
+    logical-axis rules (placed there if they are not yet), caches and batch over the data axis, heads
+    over the tensor axis; the batch is padded to a multiple of the data axis. The batch, prompt length,
     ``max_new_tokens`` and stop list are padded to buckets, so calls whose sizes fall into the same
     buckets reuse the compiled program.
     """
@@ -74,13 +80,22 @@ def generate(
     sampling = SamplingParams.make(temperature, top_k, top_p, seed)
     batch = _check_prompts(target, prompts, max_new_tokens)
     capacity = bucket(max_new_tokens)
-    tokens, lens, live = _pad_prompts(prompts, bucket(batch, 1), bucket(max(map(len, prompts))))
+    rows = bucket(batch, 1)
+    if mesh is not None:
+        data = axis_size(mesh, "batch")
+        rows = -(-rows // data) * data
+        target = shard_model(target, mesh)
+        drafter = None if drafter is None else shard_model(drafter, mesh)
+    tokens, lens, live = _pad_prompts(prompts, rows, bucket(max(map(len, prompts))))
+    if mesh is not None:
+        tokens, lens, live = (jax.device_put(x, named_sharding(("batch",) + (None,) * (x.ndim - 1), x.shape, mesh))
+                              for x in (tokens, lens, live))
     stops = _pad_stops(stop_token_ids, target.cfg.vocab_size)
     target_def, target_state = nnx.split(target)
     max_new = np.int32(max_new_tokens)
     if drafter is None:
         buf = plain_generate(target_def, target_state, tokens, lens, live, max_new, stops, sampling,
-                             capacity=capacity, mode=mode)
+                             capacity=capacity, mode=mode, mesh=mesh)
         out_tokens, num = jax.device_get((buf.tokens, buf.num))
         new = [out_tokens[b, : num[b]].tolist() for b in range(batch)]
         return GenerateOutput(tokens=new, acceptance_lengths=[[1] * len(t) for t in new])
@@ -92,7 +107,7 @@ def generate(
     drafter_def, drafter_state = nnx.split(drafter)
     buf, accept, rounds = speculative_generate(
         target_def, target_state, drafter_def, drafter_state, tokens, lens, live, max_new, stops, sampling,
-        capacity=capacity, block_size=block_size, use_retrace=bool(use_retrace), mode=mode,
+        capacity=capacity, block_size=block_size, use_retrace=bool(use_retrace), mode=mode, mesh=mesh,
     )
     out_tokens, num, accept, rounds = jax.device_get((buf.tokens, buf.num, accept, rounds))
     return GenerateOutput(

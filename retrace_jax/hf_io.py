@@ -14,12 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from retrace_jax.config import ConfigError, ModelConfig, read_config_json
 from retrace_jax.drafter import DFlashDrafter, DrafterConfig
 from retrace_jax.retrace import ReTraceConfig, ReTraceFusion
+from retrace_jax.sharding import check_divisible, named_sharding
 from retrace_jax.target import TargetModel
 
 SINGLE_FILE = "model.safetensors"
@@ -34,11 +36,13 @@ class CheckpointError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class WeightSpec:
-    """One tensor: its Hugging Face name, its NNX state path, and whether it is a ``[out, in]`` matrix."""
+    """One tensor: its Hugging Face name, its NNX state path, whether it is stored ``[out, in]``, and the
+    logical axes of the parameter's dimensions (for sharding; see ``sharding.LOGICAL_RULES``)."""
 
     hf_name: str
     path: tuple
     transpose: bool = False
+    axes: tuple = (None,)
 
     def to_param(self, array: np.ndarray) -> np.ndarray:
         return array.T if self.transpose else array
@@ -47,11 +51,17 @@ class WeightSpec:
         return array.T if self.transpose else array
 
 
-def linear_specs(hf_prefix: str, path: tuple, bias: bool) -> list[WeightSpec]:
-    specs = [WeightSpec(f"{hf_prefix}.weight", path + ("kernel",), transpose=True)]
+def linear_specs(hf_prefix: str, path: tuple, bias: bool, axes=(None, None)) -> list[WeightSpec]:
+    """A dense layer; ``axes`` are the logical axes of its ``[in, out]`` kernel."""
+    specs = [WeightSpec(f"{hf_prefix}.weight", path + ("kernel",), transpose=True, axes=tuple(axes))]
     if bias:
-        specs.append(WeightSpec(f"{hf_prefix}.bias", path + ("bias",)))
+        specs.append(WeightSpec(f"{hf_prefix}.bias", path + ("bias",), axes=(axes[1],)))
     return specs
+
+
+QKVO_AXES = {"q_proj": ("embed", "heads"), "k_proj": ("embed", "kv_heads"), "v_proj": ("embed", "kv_heads"),
+             "o_proj": ("heads", "embed")}
+MLP_AXES = {"gate_proj": ("embed", "mlp"), "up_proj": ("embed", "mlp"), "down_proj": ("mlp", "embed")}
 
 
 def norm_spec(hf_prefix: str, path: tuple) -> WeightSpec:
@@ -59,42 +69,38 @@ def norm_spec(hf_prefix: str, path: tuple) -> WeightSpec:
 
 
 def mlp_specs(hf_prefix: str, path: tuple, bias: bool) -> list[WeightSpec]:
-    return [
-        s
-        for name in ("gate_proj", "up_proj", "down_proj")
-        for s in linear_specs(f"{hf_prefix}.{name}", path + (name,), bias)
-    ]
+    return [s for name, axes in MLP_AXES.items() for s in linear_specs(f"{hf_prefix}.{name}", path + (name,), bias, axes)]
 
 
 def target_specs(cfg: ModelConfig) -> list[WeightSpec]:
-    specs = [WeightSpec("model.embed_tokens.weight", ("embed_tokens", "embedding"))]
+    specs = [WeightSpec("model.embed_tokens.weight", ("embed_tokens", "embedding"), axes=("vocab", "embed"))]
     for i in range(cfg.num_layers):
         hf, p = f"model.layers.{i}", ("layers", i)
         specs.append(norm_spec(f"{hf}.input_layernorm", p + ("input_layernorm",)))
         specs.append(norm_spec(f"{hf}.post_attention_layernorm", p + ("post_attention_layernorm",)))
-        for name in ("q_proj", "k_proj", "v_proj"):
-            specs += linear_specs(f"{hf}.self_attn.{name}", p + ("self_attn", name), cfg.qkv_bias)
-        specs += linear_specs(f"{hf}.self_attn.o_proj", p + ("self_attn", "o_proj"), cfg.o_bias)
+        for name, axes in QKVO_AXES.items():
+            bias = cfg.o_bias if name == "o_proj" else cfg.qkv_bias
+            specs += linear_specs(f"{hf}.self_attn.{name}", p + ("self_attn", name), bias, axes)
         if cfg.qk_norm:
             specs.append(norm_spec(f"{hf}.self_attn.q_norm", p + ("self_attn", "q_norm")))
             specs.append(norm_spec(f"{hf}.self_attn.k_norm", p + ("self_attn", "k_norm")))
         specs += mlp_specs(f"{hf}.mlp", p + ("mlp",), cfg.mlp_bias)
     specs.append(norm_spec("model.norm", ("norm",)))
     if not cfg.tie_word_embeddings:
-        specs += linear_specs("lm_head", ("lm_head",), False)
+        specs += linear_specs("lm_head", ("lm_head",), False, ("embed", "vocab"))
     return specs
 
 
 def drafter_specs(cfg: DrafterConfig) -> list[WeightSpec]:
     """The official DFlash tensor names (no ``model.`` prefix)."""
-    specs = [WeightSpec("fc.weight", ("fc", "kernel"), transpose=True),
+    specs = [WeightSpec("fc.weight", ("fc", "kernel"), transpose=True, axes=(None, "embed")),
              norm_spec("hidden_norm", ("hidden_norm",)), norm_spec("norm", ("norm",))]
     for i in range(cfg.num_layers):
         hf, p = f"layers.{i}", ("layers", i)
         specs.append(norm_spec(f"{hf}.input_layernorm", p + ("input_layernorm",)))
         specs.append(norm_spec(f"{hf}.post_attention_layernorm", p + ("post_attention_layernorm",)))
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            specs += linear_specs(f"{hf}.self_attn.{name}", p + ("self_attn", name), cfg.attention_bias)
+        for name, axes in QKVO_AXES.items():
+            specs += linear_specs(f"{hf}.self_attn.{name}", p + ("self_attn", name), cfg.attention_bias, axes)
         specs.append(norm_spec(f"{hf}.self_attn.q_norm", p + ("self_attn", "q_norm")))
         specs.append(norm_spec(f"{hf}.self_attn.k_norm", p + ("self_attn", "k_norm")))
         specs += mlp_specs(f"{hf}.mlp", p + ("mlp",), False)
@@ -137,9 +143,14 @@ class TensorReader:
     def names(self) -> set[str]:
         return set(self.weight_map)
 
-    def get(self, name: str) -> np.ndarray:
+    def get(self, name: str, index: tuple | None = None) -> np.ndarray:
+        """The tensor, or only ``tensor[index]`` (a tuple of slices) read from disk."""
         with safe_open(os.path.join(self.directory, self.weight_map[name]), framework="numpy") as f:
-            return f.get_tensor(name)
+            return f.get_tensor(name) if index is None else f.get_slice(name)[index]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        with safe_open(os.path.join(self.directory, self.weight_map[name]), framework="numpy") as f:
+            return tuple(f.get_slice(name).get_shape())
 
 
 def strip_prefix(names: Iterable[str], prefix: str) -> dict[str, str]:
@@ -149,9 +160,10 @@ def strip_prefix(names: Iterable[str], prefix: str) -> dict[str, str]:
 
 def load_into(module: nnx.Module, specs: list[WeightSpec], reader: TensorReader, dtype, *,
               aliases: dict[str, str] | None = None, ignore: Iterable[str] = (),
-              fresh: dict[tuple, jax.Array] | None = None) -> nnx.Module:
+              fresh: dict[tuple, jax.Array] | None = None, mesh: Mesh | None = None) -> nnx.Module:
     """Fills an (abstract) module's parameters from a checkpoint, checking names and shapes.
 
+    With a ``mesh`` each device reads only its own shard of each tensor from the safetensors files.
     ``fresh`` supplies parameters that the checkpoint does not hold (by state path)."""
     aliases = aliases or {n: n for n in reader.names()}
     wanted = {s.hf_name for s in specs}
@@ -168,16 +180,24 @@ def load_into(module: nnx.Module, specs: list[WeightSpec], reader: TensorReader,
     graphdef, state = nnx.split(module)
     flat = dict(nnx.to_flat_state(state))
     for spec in specs:
-        array = spec.to_param(reader.get(aliases[spec.hf_name]))
-        expected = flat[spec.path].get_value().shape
-        if tuple(array.shape) != tuple(expected):
+        stored = aliases[spec.hf_name]
+        expected = tuple(flat[spec.path].get_value().shape)
+        hf_expected = expected[::-1] if spec.transpose else expected
+        if reader.shape(stored) != hf_expected:
             raise CheckpointError(
-                f"tensor {spec.hf_name} has shape {tuple(spec.to_hf(array).shape)}, "
-                f"the config implies {tuple(spec.to_hf(np.empty(expected)).shape)}"
+                f"tensor {spec.hf_name} has shape {reader.shape(stored)}, the config implies {hf_expected}"
             )
-        flat[spec.path].set_value(jnp.asarray(array, dtype=dtype))
+        if mesh is None:
+            value = jnp.asarray(spec.to_param(reader.get(stored)), dtype=dtype)
+        else:
+            def read_shard(index, spec=spec, stored=stored):
+                hf_index = tuple(index[::-1]) if spec.transpose else tuple(index)
+                return np.asarray(spec.to_param(reader.get(stored, hf_index)), dtype=dtype)
+
+            value = jax.make_array_from_callback(expected, named_sharding(spec.axes, expected, mesh), read_shard)
+        flat[spec.path].set_value(value)
     for path, value in (fresh or {}).items():
-        flat[path].set_value(value)
+        flat[path].set_value(value if mesh is None else jax.device_put(value, NamedSharding(mesh, PartitionSpec())))
     covered = {s.path for s in specs} | set(fresh or {})
     left = [p for p in flat if p not in covered]
     if left:
@@ -204,14 +224,16 @@ def abstract_module(factory):
     return nnx.eval_shape(factory)
 
 
-def load_target(path: str, dtype="float32") -> TargetModel:
-    """Loads a Qwen3 / Qwen2 / Llama checkpoint from a Hugging Face directory."""
+def load_target(path: str, dtype="float32", *, mesh: Mesh | None = None) -> TargetModel:
+    """Loads a Qwen3 / Qwen2 / Llama checkpoint from a Hugging Face directory (sharded over ``mesh``
+    by the logical-axis rules when one is given)."""
     dtype = resolve_dtype(dtype)
     cfg = ModelConfig.from_hf(read_config_json(path))
+    check_divisible("target", cfg.num_heads, cfg.num_kv_heads, mesh)
     reader = TensorReader(path)
     module = abstract_module(lambda: TargetModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     ignore = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-    return load_into(module, target_specs(cfg), reader, dtype, ignore=ignore)
+    return load_into(module, target_specs(cfg), reader, dtype, ignore=ignore, mesh=mesh)
 
 
 def check_drafter_matches(cfg: DrafterConfig, target_cfg: ModelConfig) -> None:
@@ -236,7 +258,7 @@ def check_drafter_matches(cfg: DrafterConfig, target_cfg: ModelConfig) -> None:
 
 
 def load_drafter(path: str, target: TargetModel, dtype="float32", *, retrace: bool | None = None,
-                 seed: int = 0) -> DFlashDrafter:
+                 seed: int = 0, mesh: Mesh | None = None) -> DFlashDrafter:
     """Loads a drafter in the official DFlash layout (a ``model.`` prefix is accepted) for ``target``.
 
     A checkpoint whose config has ``retrace_config`` loads as a ReTrace drafter. ``retrace=True`` turns
@@ -251,6 +273,7 @@ def load_drafter(path: str, target: TargetModel, dtype="float32", *, retrace: bo
     elif retrace is False:
         cfg = dataclasses.replace(stored, retrace=None)
     check_drafter_matches(cfg, target.cfg)
+    check_divisible("drafter", cfg.num_heads, cfg.num_kv_heads, mesh)
     reader = TensorReader(path)
     module = abstract_module(lambda: DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     specs = drafter_specs(cfg)
@@ -264,7 +287,25 @@ def load_drafter(path: str, target: TargetModel, dtype="float32", *, retrace: bo
     elif cfg.retrace is not None:
         specs = specs + retrace_specs(cfg.retrace)
     return load_into(module, specs, reader, dtype, aliases=strip_prefix(reader.names(), "model."),
-                     ignore=ignore, fresh=fresh)
+                     ignore=ignore, fresh=fresh, mesh=mesh)
+
+
+def model_specs(module) -> list[WeightSpec]:
+    """The mapping table of a target or drafter."""
+    return target_specs(module.cfg) if isinstance(module, TargetModel) else all_drafter_specs(module.cfg)
+
+
+def shard_model(module, mesh: Mesh):
+    """Places an in-memory target or drafter on ``mesh`` by the logical-axis rules."""
+    cfg = module.cfg
+    check_divisible(type(module).__name__, cfg.num_heads, cfg.num_kv_heads, mesh)
+    axes = {s.path: s.axes for s in model_specs(module)}
+    graphdef, state = nnx.split(module)
+    flat = dict(nnx.to_flat_state(state))
+    for path, var in flat.items():
+        value = var.get_value()
+        var.set_value(jax.device_put(value, named_sharding(axes.get(path, (None,) * value.ndim), value.shape, mesh)))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 def save_drafter(drafter: DFlashDrafter, path: str) -> None:

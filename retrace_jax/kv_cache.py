@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from retrace_jax.sharding import CACHE_AXES, constrain
+
 
 @struct.dataclass
 class KVCache:
@@ -27,6 +29,11 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.k.shape[2]
+
+    def constrain(self, mesh) -> "KVCache":
+        """Pins the cache's sharding on ``mesh``: batch over data, KV heads over tensor."""
+        return KVCache(constrain(self.k, CACHE_AXES, mesh), constrain(self.v, CACHE_AXES, mesh),
+                       constrain(self.lengths, ("batch",), mesh))
 
 
 def write_rows(buf_lbskd, layer: int, new_btkd, offsets_b):

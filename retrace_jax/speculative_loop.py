@@ -66,17 +66,18 @@ def verify_round(keys_b, proposals_bk, draft_logits_bkv, target_logits_bjv, samp
 
 
 @functools.partial(
-    jax.jit, static_argnames=("target_def", "drafter_def", "capacity", "block_size", "use_retrace", "mode")
+    jax.jit, static_argnames=("target_def", "drafter_def", "capacity", "block_size", "use_retrace", "mode", "mesh")
 )
 def speculative_generate(target_def, target_state, drafter_def, drafter_state, tokens_bp, prompt_lens_b,
                          live_b, max_new, stop_ids, sampling: SamplingParams, *, capacity, block_size,
-                         use_retrace=True, mode: SamplingMode = SamplingMode()):
+                         use_retrace=True, mode: SamplingMode = SamplingMode(), mesh=None):
     """Speculative decoding of a right-padded batch (rows with ``live_b`` False are padding), greedy or
     by rejection sampling; row ``b`` uses key ``fold_in(PRNGKey(seed), b)`` folded with its step
     (0 for prefill, round + 1 after).
 
     A ReTrace drafter carries its rejected-suffix memory from round to round unless ``use_retrace`` is
-    False. Returns the output buffer, the acceptance lengths ``[B, capacity]`` and the rounds per row.
+    False. With a ``mesh`` both caches are sharded (batch over data, KV heads over tensor). Returns the
+    output buffer, the acceptance lengths ``[B, capacity]`` and the rounds per row.
     """
     target = nnx.merge(target_def, target_state)
     drafter = nnx.merge(drafter_def, drafter_state)
@@ -85,9 +86,9 @@ def speculative_generate(target_def, target_state, drafter_def, drafter_state, t
     max_len = prompt_len + capacity + block_size  # a verify block may reach past the last kept token
 
     logits_bv, target_cache, features = prefill(
-        target, tokens_bp, prompt_lens_b, target.init_cache(batch, max_len), feature_layers=layer_ids
+        target, tokens_bp, prompt_lens_b, target.init_cache(batch, max_len).constrain(mesh), feature_layers=layer_ids
     )
-    draft_cache = drafter.extend_cache(features, drafter.init_cache(batch, max_len))
+    draft_cache = drafter.extend_cache(features, drafter.init_cache(batch, max_len).constrain(mesh))
     draft_cache = draft_cache.replace(lengths=prompt_lens_b)
     keys_b = row_keys(sampling.seed, batch)
     first_b = sampling.choose(step_keys(keys_b, jnp.zeros((batch,), jnp.int32)), logits_bv, mode)
@@ -115,8 +116,8 @@ def speculative_generate(target_def, target_state, drafter_def, drafter_state, t
         rows = jnp.arange(batch)
         accept = c.accept_br.at[rows, jnp.where(active, c.rounds_b, capacity)].set(a + 1, mode="drop")
         return SpecCarry(
-            target_cache=out.cache.replace(lengths=new_start),
-            draft_cache=draft_cache.replace(lengths=new_start),
+            target_cache=out.cache.replace(lengths=new_start).constrain(mesh),
+            draft_cache=draft_cache.replace(lengths=new_start).constrain(mesh),
             buf=buf,
             anchor_b=jnp.where(active, next_anchor, c.anchor_b),
             accept_br=accept,

@@ -1,0 +1,43 @@
+"""Sharded inference. The 8-device checks run in their own process (XLA_FLAGS must be set before jax
+is imported); mesh parsing and rules are checked here."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import retrace_jax as rj
+from retrace_jax.sharding import partition_spec
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_sharded_generation_on_8_cpu_devices(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "sharded_check.py"), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.stdout.strip().endswith("ok")
+    assert proc.stdout.count("equal the single-device run") == 4
+
+
+def test_make_mesh_specs():
+    mesh = rj.make_mesh("data=1")
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
+    with pytest.raises(ValueError, match="unknown mesh axis 'model'"):
+        rj.make_mesh("model=1")
+    with pytest.raises(ValueError, match="needs 4 devices"):
+        rj.make_mesh("data=2,tensor=2")
+    with pytest.raises(ValueError, match="look like"):
+        rj.make_mesh("tensor")
+
+
+def test_rules_replicate_what_does_not_divide():
+    class FakeMesh:
+        shape = {"data": 2, "fsdp": 1, "tensor": 4}
+
+    assert partition_spec(("embed", "heads"), (64, 128), FakeMesh()) == P(None, "tensor")
+    assert partition_spec(("vocab", "embed"), (130, 64), FakeMesh()) == P(None, None)  # 130 % 4 != 0
+    assert partition_spec(("batch", None), (6, 3), FakeMesh()) == P("data", None)
