@@ -83,5 +83,5 @@ def test_bad_inputs_give_clear_errors(hf_model_dir):
         rj.generate(target, [[1]], max_new_tokens=0)
     with pytest.raises(ValueError, match="stop_token_ids"):
         rj.generate(target, [[1]], stop_token_ids=[-3])
-    with pytest.raises(NotImplementedError, match="sampling"):
-        rj.generate(target, [[1]], temperature=0.7)
+    with pytest.raises(ValueError, match="temperature"):
+        rj.generate(target, [[1]], temperature=-0.7)
