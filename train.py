@@ -1,10 +1,14 @@
-"""Train a DFlash drafter on its target's own greedy outputs.
+"""Train DFlash and ReTrace drafters.
 
-    python train.py --config configs/tiny_dflash.yaml [--set key=value ...]
+    python train.py --config configs/tiny_dflash.yaml                 # prepare the data, then train
+    python train.py --config configs/tiny_dflash.yaml --stage prepare # only regenerate the responses
+    python train.py --config configs/tiny_retrace.yaml --set train.steps=200
 
-Regenerates responses to the prompts with the target (``rj.generate``), fits the drafter with the
-DFlash loss, reports τ on held-out prompts with real speculative generation, and writes the drafter
-in the official DFlash layout to ``out`` (plus ``metrics.jsonl``). Prompts are random token ids for now.
+Data preparation regenerates the responses to the prompts with the target (resumable shards); training
+fits the drafter (DFlash, or ReTrace's two-round rollout), checkpoints with Orbax and resumes exactly
+from the last checkpoint when rerun, evaluates τ with real speculative generation on held-out prompts,
+and exports the drafter in the official DFlash layout to ``OUT/drafter``. Metrics go to stdout and
+``OUT/metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -12,73 +16,49 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
+import sys
 
-import numpy as np
-import yaml
-
-import retrace_jax as rj
-from retrace_jax.self_distill import regenerate, train_dflash
-from retrace_jax.tiny import tiny_target
-
-
-def load_config(path: str, overrides: list[str]) -> dict:
-    if not os.path.isfile(path):
-        raise SystemExit(f"config file not found: {path}")
-    with open(path) as f:
-        cfg = yaml.safe_load(f)
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set expects key=value, got {item!r}")
-        node = cfg
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        if leaf not in node:
-            raise SystemExit(f"unknown config key {key!r}")
-        node[leaf] = yaml.safe_load(value)
-    return cfg
+from retrace_jax import trainer
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    p.add_argument("--config", required=True, help="a YAML file (see configs/)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. train.steps=200 (repeatable)")
+    p.add_argument("--stage", choices=["all", "prepare", "train"], default="all",
+                   help="all: prepare the data if needed, then train")
     args = p.parse_args(argv)
-    cfg = load_config(args.config, args.set)
+    try:
+        cfg = trainer.load_config(args.config, args.set)
+    except (FileNotFoundError, trainer.ConfigurationError) as err:
+        raise SystemExit(f"error: {err}") from None
     os.makedirs(cfg["out"], exist_ok=True)
-    metrics_path = os.path.join(cfg["out"], "metrics.jsonl")
-    metrics = open(metrics_path, "w")
+    metrics = open(os.path.join(cfg["out"], "metrics.jsonl"), "a")
 
     def log(record):
-        print(json.dumps(record))
-        metrics.write(json.dumps(record) + "\n")
+        line = json.dumps(record)
+        print(line, flush=True)
+        metrics.write(line + "\n")
         metrics.flush()
 
-    target = tiny_target() if cfg["target"] == "tiny" else rj.load_target(cfg["target"])
-    vocab = target.cfg.vocab_size
-    rng = np.random.RandomState(cfg["seed"])
-    n_train, n_eval = cfg["num_prompts"], cfg["eval_prompts"]
-    prompts = [rng.randint(0, vocab, (cfg["prompt_len"],)).tolist() for _ in range(n_train + n_eval)]
-    start = time.perf_counter()
-    tokens, mask = regenerate(target, prompts[:n_train], cfg["response_len"])
-    log({"event": "regenerated", "sequences": len(tokens), "tokens": int(mask.sum()),
-         "seconds": round(time.perf_counter() - start, 1)})
+    try:
+        if args.stage in ("all", "prepare"):
+            manifest = os.path.join(trainer.data_dir(cfg), "manifest.json")
+            if args.stage == "prepare" or not os.path.exists(manifest) or _unfinished(manifest):
+                trainer.prepare(cfg, log)
+        if args.stage in ("all", "train"):
+            return trainer.train(cfg, log)
+    finally:
+        metrics.close()
 
-    dcfg = cfg["drafter"]
-    mask_id = dcfg["mask_token_id"] if dcfg.get("mask_token_id") is not None else vocab - 1
-    drafter = rj.init_drafter(target.cfg, mask_token_id=mask_id, num_layers=dcfg["num_layers"],
-                              block_size=dcfg["block_size"], seed=cfg["seed"])
-    drafter = train_dflash(target, drafter, tokens, mask, steps=cfg["steps"], batch_size=cfg["batch_size"],
-                           lr=cfg["lr"], num_anchors=cfg["num_anchors"], seed=cfg["seed"], log=log)
-    held_out = prompts[n_train:]
-    out = rj.generate(target, held_out, cfg["response_len"], drafter=drafter)
-    log({"event": "eval", "prompts": len(held_out), "tau": round(out.tau(), 3), "tau_pooled": round(out.tau_pooled(), 3)})
-    rj.save_drafter(drafter, cfg["out"])
-    print(f"drafter written to {cfg['out']}; metrics in {metrics_path}")
-    metrics.close()
+
+def _unfinished(manifest_path: str) -> bool:
+    with open(manifest_path) as f:
+        m = json.load(f)
+    shards = -(-m["settings"]["num_prompts"] // m["settings"]["shard_size"])
+    return len(m["done"]) < shards
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(0 if main() is not None or True else 1)

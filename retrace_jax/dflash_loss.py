@@ -76,13 +76,13 @@ def target_features(target: TargetModel, tokens_bs, layer_ids):
     return jax.lax.stop_gradient(out.features)
 
 
-def draft_blocks(drafter: DFlashDrafter, target: TargetModel, features_bsf, blocks: BlockBatch):
+def draft_blocks(drafter: DFlashDrafter, target: TargetModel, features_bsf, blocks: BlockBatch, remat=False):
     """Drafter final-norm hidden states of every block slot ``[B, A, K, d]``."""
     b, a, k = blocks.tokens_bak.shape
     s = features_bsf.shape[1]
     ctx_kv = drafter.context_kv(features_bsf, jnp.broadcast_to(jnp.arange(s), (b, s)))
     emb = target.embed(blocks.tokens_bak.reshape(b, a * k))
-    hidden = drafter.forward(emb, blocks.positions_bak.reshape(b, a * k), ctx_kv, blocks.mask_bt_st)
+    hidden = drafter.forward(emb, blocks.positions_bak.reshape(b, a * k), ctx_kv, blocks.mask_bt_st, remat=remat)
     return hidden.reshape(b, a, k, -1)
 
 
@@ -107,10 +107,10 @@ def block_loss(logits_bakv, blocks: BlockBatch) -> LossMetrics:
 
 
 def dflash_loss(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss_mask_bs, anchors_ba, valid_ba,
-                gamma: float | None = None) -> LossMetrics:
+                gamma: float | None = None, remat: bool = False) -> LossMetrics:
     cfg = drafter.cfg
     gamma = default_gamma(cfg.block_size) if gamma is None else gamma
     blocks = build_blocks(tokens_bs, loss_mask_bs, anchors_ba, valid_ba, cfg.block_size, cfg.mask_token_id, gamma)
     features = target_features(target, tokens_bs, cfg.target_layer_ids)
-    hidden = draft_blocks(drafter, target, features, blocks)
+    hidden = draft_blocks(drafter, target, features, blocks, remat)
     return block_loss(target.logits(hidden), blocks)

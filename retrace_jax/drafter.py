@@ -196,11 +196,16 @@ class DFlashDrafter(nnx.Module):
             k, v = write_rows(k, i, k_new, cache.lengths), write_rows(v, i, v_new, cache.lengths)
         return KVCache(k, v, cache.lengths + t)
 
-    def forward(self, emb_btd, positions_bt, ctx_kv, mask_bt_st):
-        """Final-norm hidden states (the LM head's input) of the block tokens ``[B, T, d]``."""
+    def forward(self, emb_btd, positions_bt, ctx_kv, mask_bt_st, remat: bool = False):
+        """Final-norm hidden states (the LM head's input) of the block tokens ``[B, T, d]``.
+
+        ``remat`` recomputes each layer's activations in the backward pass instead of storing them."""
         h = emb_btd.astype(self.dtype)
         for layer, (k, v) in zip(self.layers, ctx_kv):
-            h = layer(h, positions_bt, k, v, mask_bt_st)
+            if remat:
+                h = nnx.remat(lambda lyr, h, k, v: lyr(h, positions_bt, k, v, mask_bt_st))(layer, h, k, v)
+            else:
+                h = layer(h, positions_bt, k, v, mask_bt_st)
         return self.norm(h)
 
     def draft(self, emb_btd, cache: KVCache, memory: Memory | None = None, beta=1.0):

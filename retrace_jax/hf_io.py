@@ -257,19 +257,20 @@ def check_drafter_matches(cfg: DrafterConfig, target_cfg: ModelConfig) -> None:
         raise ConfigError("drafter does not match the target: " + "; ".join(problems))
 
 
-def load_drafter(path: str, target: TargetModel, dtype="float32", *, retrace: bool | None = None,
+def load_drafter(path: str, target: TargetModel, dtype="float32", *, retrace: bool | ReTraceConfig | None = None,
                  seed: int = 0, mesh: Mesh | None = None) -> DFlashDrafter:
     """Loads a drafter in the official DFlash layout (a ``model.`` prefix is accepted) for ``target``.
 
     A checkpoint whose config has ``retrace_config`` loads as a ReTrace drafter. ``retrace=True`` turns
     a plain DFlash checkpoint into a ReTrace drafter whose new module starts at zero (``W_v = 0``, so it
-    drafts exactly as before); ``retrace=False`` loads only the DFlash part of a ReTrace checkpoint.
+    drafts exactly as before; a ``ReTraceConfig`` chooses its options); ``retrace=False`` loads only the
+    DFlash part of a ReTrace checkpoint.
     """
     dtype = resolve_dtype(dtype)
     stored = DrafterConfig.from_hf(read_config_json(path))
     cfg = stored
-    if retrace is True and stored.retrace is None:
-        cfg = dataclasses.replace(stored, retrace=ReTraceConfig())
+    if retrace not in (None, False) and stored.retrace is None:
+        cfg = dataclasses.replace(stored, retrace=retrace if isinstance(retrace, ReTraceConfig) else ReTraceConfig())
     elif retrace is False:
         cfg = dataclasses.replace(stored, retrace=None)
     check_drafter_matches(cfg, target.cfg)

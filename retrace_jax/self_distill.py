@@ -16,7 +16,7 @@ from flax import nnx
 from retrace_jax.drafter import DFlashDrafter
 from retrace_jax.generation import generate
 from retrace_jax.target import TargetModel
-from retrace_jax.train_step import adamw, dflash_train_step
+from retrace_jax.train_step import StepOptions, adamw, make_train_step
 
 
 def regenerate(target: TargetModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -48,19 +48,16 @@ def train_dflash(target: TargetModel, drafter: DFlashDrafter, tokens_ns, loss_ma
     drafter_state = jax.tree.map(jnp.copy, drafter_state)  # the step donates its input
     optimizer = adamw(lr, steps)
     opt_state = optimizer.init(drafter_state)
+    step_fn = make_train_step(target_def, drafter_def, optimizer, StepOptions(num_anchors=num_anchors))
     tokens, mask = jnp.asarray(tokens_ns), jnp.asarray(loss_mask_ns)
     rng = np.random.default_rng(seed)
-    key = jax.random.PRNGKey(seed)
     start = time.perf_counter()
     for step in range(steps):
         idx = rng.choice(len(tokens_ns), size=min(batch_size, len(tokens_ns)), replace=False)
-        key, sub = jax.random.split(key)
-        drafter_state, opt_state, m = dflash_train_step(
-            target_def, target_state, drafter_def, drafter_state, opt_state, tokens[idx], mask[idx], sub,
-            optimizer=optimizer, num_anchors=num_anchors,
-        )
+        drafter_state, opt_state, m = step_fn(target_state, drafter_state, opt_state, tokens[idx], mask[idx],
+                                              jnp.int32(step), jnp.uint32(seed))
         if log and (step % log_every == 0 or step == steps - 1):
-            log({"step": step, "loss": float(m.loss), "tau": float(m.tau),
-                 "slot_accuracy": np.round(np.asarray(m.slot_accuracy), 3).tolist(),
+            log({"step": step, "loss": float(m["loss"]), "tau": float(m["tau"]),
+                 "slot_accuracy": np.round(np.asarray(m["slot_accuracy"]), 3).tolist(),
                  "seconds": round(time.perf_counter() - start, 2)})
     return nnx.merge(drafter_def, drafter_state)

@@ -75,6 +75,12 @@ def named_sharding(axes, shape, mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, partition_spec(axes, shape, mesh))
 
 
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    """Leading batch dimension over the data axes (the batch size must divide), the rest replicated."""
+    axes = tuple(a for a in LOGICAL_RULES["batch"] if mesh.shape[a] > 1)
+    return NamedSharding(mesh, PartitionSpec(axes or None, *([None] * (ndim - 1))))
+
+
 def constrain(x, axes, mesh: Mesh | None):
     """``with_sharding_constraint`` by logical axes (a no-op without a mesh)."""
     if mesh is None:

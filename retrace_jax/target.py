@@ -27,8 +27,8 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
         self.cfg = cfg
 
-    def __call__(self, x_btd, positions_bt, cache: KVCache, layer: int, mask_bts):
-        """Writes this layer's new keys/values into ``cache`` and attends over it."""
+    def qkv(self, x_btd, positions_bt):
+        """Queries, keys (both normed if the model has q/k norms, and rotated) and values."""
         cfg = self.cfg
         b, t, _ = x_btd.shape
         q = self.q_proj(x_btd).reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -36,12 +36,26 @@ class Attention(nnx.Module):
         v = self.v_proj(x_btd).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, positions_bt, cfg.rope_theta), rope(k, positions_bt, cfg.rope_theta)
+        return rope(q, positions_bt, cfg.rope_theta), rope(k, positions_bt, cfg.rope_theta), v
+
+    def __call__(self, x_btd, positions_bt, cache: KVCache, layer: int, mask_bts):
+        """Writes this layer's new keys/values into ``cache`` and attends over it."""
+        b, t, _ = x_btd.shape
+        q, k, v = self.qkv(x_btd, positions_bt)
         cache = cache.replace(
             k=write_rows(cache.k, layer, k, cache.lengths), v=write_rows(cache.v, layer, v, cache.lengths)
         )
         out = attention(q, cache.k[layer], cache.v[layer], mask_bts)
         return self.o_proj(out.reshape(b, t, -1)), cache
+
+    def beside_context(self, x_btd, positions_bt, ctx_k_bskd, ctx_v_bskd, mask_bt_st):
+        """Attention of new tokens over a fixed context (not written to) followed by their own keys;
+        ``mask[:, :, :S]`` covers the context, ``mask[:, :, S:]`` the new tokens."""
+        b, t, _ = x_btd.shape
+        q, k, v = self.qkv(x_btd, positions_bt)
+        keys = jnp.concatenate([ctx_k_bskd, k.astype(ctx_k_bskd.dtype)], axis=1)
+        values = jnp.concatenate([ctx_v_bskd, v.astype(ctx_v_bskd.dtype)], axis=1)
+        return self.o_proj(attention(q, keys, values, mask_bt_st).reshape(b, t, -1))
 
 
 class DecoderLayer(nnx.Module):
@@ -56,6 +70,10 @@ class DecoderLayer(nnx.Module):
         x_btd = x_btd + attn
         x_btd = x_btd + self.mlp(self.post_attention_layernorm(x_btd))
         return x_btd, cache
+
+    def beside_context(self, x_btd, positions_bt, ctx_k, ctx_v, mask):
+        x_btd = x_btd + self.self_attn.beside_context(self.input_layernorm(x_btd), positions_bt, ctx_k, ctx_v, mask)
+        return x_btd + self.mlp(self.post_attention_layernorm(x_btd))
 
 
 class ForwardOutput(NamedTuple):
@@ -121,6 +139,16 @@ class TargetModel(nnx.Module):
             outputs[i] = x
         features = jnp.concatenate([outputs[i] for i in feature_layers], -1) if feature_layers else None
         return ForwardOutput(self.norm(x), cache.replace(lengths=cache.lengths + t), features)
+
+
+def forward_beside_context(model: TargetModel, tokens_bt, positions_bt, ctx: KVCache, mask_bt_st):
+    """Final-norm hidden states of tokens that attend to a fixed context cache (e.g. a teacher-forced
+    sequence) and, as ``mask`` says, to each other; nothing is written to the cache. Training uses it to
+    verify many drafted blocks of one sequence in one pass."""
+    x = model.embed(tokens_bt)
+    for i, layer in enumerate(model.layers):
+        x = layer.beside_context(x, positions_bt, ctx.k[i], ctx.v[i], mask_bt_st)
+    return model.norm(x)
 
 
 def prefill(model: TargetModel, tokens_bp, prompt_lens_b, cache: KVCache, feature_layers=()):

@@ -1,35 +1,109 @@
-"""One jitted optimisation step of the drafter; the target is frozen and passed as state."""
+"""One jitted optimisation step of the drafter (DFlash or ReTrace objective); the target is frozen.
+
+The step is a pure function of ``(states, batch, step, seed)``: anchors come from
+``fold_in(PRNGKey(seed), step)`` and ReTrace's ``beta`` from ``step``, so a resumed run repeats an
+uninterrupted one exactly.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from retrace_jax.dflash_loss import dflash_loss, sample_anchors
+from retrace_jax.retrace_loss import retrace_loss
+from retrace_jax.sharding import batch_sharding
+
+OBJECTIVES = ("dflash", "retrace")
+_norm = optax.tree.norm if hasattr(getattr(optax, "tree", None), "norm") else optax.global_norm
 
 
-def adamw(lr: float, steps: int, warmup_frac: float = 0.04, weight_decay: float = 0.0, clip: float = 1.0):
-    """AdamW with linear warm-up, cosine decay and global-norm clipping (the DFlash recipe)."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, int(warmup_frac * steps)), max(2, steps))
-    return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay))
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    objective: str = "dflash"  # "dflash" or "retrace"
+    num_anchors: int = 8
+    gamma: float | None = None  # loss decay; None: the published value for the block size
+    round1_weight: float = 1.0  # ReTrace: weight of the round-1 (DFlash) loss
+    correction_source: str = "verify"  # ReTrace: "verify" or "teacher"
+    beta_warmup_steps: int = 50  # ReTrace: beta ramps 0 -> 1 over these steps
+    compute_dtype: str = "float32"  # "bfloat16": compute with bf16 copies of the float32 master weights
+    remat: bool = False  # recompute drafter layer activations in the backward pass
+
+    def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "optimizer", "num_anchors"),
-                   donate_argnames=("drafter_state", "opt_state"))
-def dflash_train_step(target_def, target_state, drafter_def, drafter_state, opt_state, tokens_bs, loss_mask_bs,
-                      key, *, optimizer, num_anchors: int):
-    """Samples anchors, computes the DFlash loss and applies one optimizer update to the drafter."""
+def adamw(lr: float, steps: int, warmup_frac: float = 0.04, weight_decay: float = 0.0, clip: float = 1.0,
+          grad_accum: int = 1):
+    """AdamW with linear warm-up, cosine decay and global-norm clipping (the DFlash recipe); with
+    ``grad_accum > 1`` gradients of that many consecutive steps are averaged into one update."""
+    updates = max(2, steps // max(1, grad_accum))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, int(warmup_frac * updates)), updates)
+    opt = optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay))
+    return optax.MultiSteps(opt, grad_accum) if grad_accum > 1 else opt
+
+
+def loss_fn(drafter_state, drafter_def, target, tokens_bs, loss_mask_bs, step, seed, opts: StepOptions):
+    if opts.compute_dtype == "bfloat16":
+        drafter_state = jax.tree.map(lambda x: x.astype(jnp.bfloat16), drafter_state)
+    drafter = nnx.merge(drafter_def, drafter_state)
+    key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
+    anchors, valid = sample_anchors(key, loss_mask_bs, opts.num_anchors, drafter.cfg.block_size)
+    if opts.objective == "dflash":
+        m = dflash_loss(drafter, target, tokens_bs, loss_mask_bs, anchors, valid, opts.gamma, remat=opts.remat)
+        return m.loss, {"loss": m.loss, "tau": m.tau, "slot_accuracy": m.slot_accuracy}
+    beta = jnp.clip(step / max(1, opts.beta_warmup_steps), 0.0, 1.0)
+    loss, r = retrace_loss(drafter, target, tokens_bs, loss_mask_bs, anchors, valid, beta,
+                           round1_weight=opts.round1_weight, correction_source=opts.correction_source,
+                           gamma=opts.gamma, remat=opts.remat)
+    return loss, {"loss": loss, "loss_round1": r.round1.loss, "loss_round2": r.round2.loss, "tau": r.round1.tau,
+                  "tau_round2": r.round2.tau, "slot_accuracy": r.round1.slot_accuracy,
+                  "slot_accuracy_round2": r.round2.slot_accuracy, "beta": beta,
+                  "accepted_round1": jnp.sum(r.accepted_ba * valid) / jnp.maximum(jnp.sum(valid), 1)}
+
+
+def _step(target_state, drafter_state, opt_state, tokens_bs, loss_mask_bs, step, seed, *, target_def, drafter_def,
+          optimizer, opts):
     target = nnx.merge(target_def, target_state)
-    block_size = nnx.merge(drafter_def, drafter_state).cfg.block_size
-    anchors, valid = sample_anchors(key, loss_mask_bs, num_anchors, block_size)
-
-    def loss_fn(state):
-        metrics = dflash_loss(nnx.merge(drafter_def, state), target, tokens_bs, loss_mask_bs, anchors, valid)
-        return metrics.loss, metrics
-
-    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(drafter_state)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    (_, metrics), grads = grad_fn(drafter_state, drafter_def, target, tokens_bs, loss_mask_bs, step, seed, opts)
     updates, opt_state = optimizer.update(grads, opt_state, drafter_state)
+    metrics["grad_norm"] = _norm(grads)
     return optax.apply_updates(drafter_state, updates), opt_state, metrics
+
+
+def init_opt_state(optimizer, drafter_state, mesh=None):
+    """The optimizer state, laid out like the parameters (scalars replicated over the mesh)."""
+    opt_state = jax.jit(optimizer.init)(drafter_state)
+    if mesh is None:
+        return opt_state
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def place(x):
+        on_mesh = isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
+        return x if on_mesh else jax.device_put(x, replicated)
+
+    return jax.tree.map(place, opt_state)
+
+
+def make_train_step(target_def, drafter_def, optimizer, opts: StepOptions, *, mesh=None, drafter_shardings=None,
+                    opt_shardings=None):
+    """The jitted step ``(target_state, drafter_state, opt_state, tokens, loss_mask, step, seed) ->
+    (drafter_state, opt_state, metrics)``; drafter and optimizer states are donated. With a mesh the
+    batch is sharded over the data axes and the updated states keep the given shardings."""
+    fn = functools.partial(_step, target_def=target_def, drafter_def=drafter_def, optimizer=optimizer, opts=opts)
+    if mesh is None:
+        return jax.jit(fn, donate_argnums=(1, 2))
+    batch, replicated = batch_sharding(mesh, 2), NamedSharding(mesh, PartitionSpec())
+    in_shardings = (None, drafter_shardings, opt_shardings, batch, batch, replicated, replicated)
+    return jax.jit(fn, donate_argnums=(1, 2), in_shardings=in_shardings,
+                   out_shardings=(drafter_shardings, opt_shardings, replicated))

@@ -61,3 +61,13 @@ def save_hf_model(model, directory: str, **kwargs) -> str:
     os.makedirs(directory, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True, **kwargs)
     return directory
+
+
+def save_word_tokenizer(directory: str, vocab_size: int = VOCAB) -> None:
+    """A whitespace word-level tokenizer over ``w0 .. w{vocab-1}`` (no download needed)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w2", pad_token="w0").save_pretrained(directory)

@@ -5,49 +5,41 @@ import os
 import shutil
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
-
 import decode
 import retrace_jax as rj
 import train
+from tests.hf_models import save_word_tokenizer
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny_dflash.yaml")
 
 
 def test_train_then_decode_tiny(tmp_path, capsys):
     out = str(tmp_path / "run")
-    train.main(["--config", CONFIG, "--set", "steps=3", "--set", "num_prompts=8",
-                "--set", "eval_prompts=2", "--set", "response_len=12", "--set", f"out={out}"])
+    train.main(["--config", CONFIG, "--set", "train.steps=3", "--set", "data.num_prompts=8", "--set",
+                "data.eval_prompts=2", "--set", "data.max_new_tokens=12", "--set", "train.seq_len=24",
+                "--set", "train.batch_size=4", "--set", f"out={out}"])
     records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    assert records[0]["event"] == "regenerated" and records[-1]["event"] == "eval"
+    assert records[0]["event"] == "prepared" and records[-1]["event"] == "done"
     assert any("loss" in r for r in records)
     capsys.readouterr()
-    decode.main(["--target", "tiny", "--drafter", out, "--max-new-tokens", "12"])
+    decode.main(["--target", "tiny", "--drafter", os.path.join(out, "drafter"), "--max-new-tokens", "12"])
     lines = capsys.readouterr().out.splitlines()
     table = [line for line in lines if line.startswith(("plain ", "dflash "))]
     assert len(table) == 2 and all(line.endswith("yes") for line in table)
 
 
 def test_train_config_errors(tmp_path):
-    with pytest.raises(SystemExit, match="unknown config key"):
-        train.main(["--config", CONFIG, "--set", "stpes=3"])
+    with pytest.raises(SystemExit, match="unknown config key 'train.stpes'"):
+        train.main(["--config", CONFIG, "--set", "train.stpes=3"])
     with pytest.raises(SystemExit, match="not found"):
         train.main(["--config", str(tmp_path / "none.yaml")])
-
-
-def _word_tokenizer(directory, vocab_size):
-    vocab = {f"w{i}": i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w2", pad_token="w0").save_pretrained(directory)
 
 
 def test_decode_with_hf_directories(hf_model_dir, trained_drafter, tmp_path, capsys):
     _, directory = hf_model_dir("qwen3")
     target_dir = str(tmp_path / "target")
     shutil.copytree(directory, target_dir)
-    _word_tokenizer(target_dir, 128)
+    save_word_tokenizer(target_dir)
     drafter_dir = str(tmp_path / "drafter")
     rj.save_drafter(trained_drafter[0], drafter_dir)
     decode.main(["--target", target_dir, "--drafter", drafter_dir, "--prompt", "w5 w6 w7 w8", "--raw",

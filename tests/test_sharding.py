@@ -14,13 +14,21 @@ from retrace_jax.sharding import partition_spec
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def test_sharded_generation_on_8_cpu_devices(tmp_path):
+def _run_8_devices(script, tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "sharded_check.py"), str(tmp_path)], env=env,
+    proc = subprocess.run([sys.executable, os.path.join(HERE, script), str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert proc.stdout.strip().endswith("ok")
-    assert proc.stdout.count("equal the single-device run") == 4
+    return proc.stdout
+
+
+def test_sharded_generation_on_8_cpu_devices(tmp_path):
+    assert _run_8_devices("sharded_check.py", tmp_path).count("equal the single-device run") == 4
+
+
+def test_sharded_train_step_on_8_cpu_devices(tmp_path):
+    assert _run_8_devices("sharded_train_check.py", tmp_path).count("mesh step equals one device") == 2
 
 
 def test_make_mesh_specs():

@@ -1,0 +1,108 @@
+"""Training objectives against direct loop-based references: DFlash blocks and the ReTrace rollout
+(which must see exactly what two inference rounds see)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import retrace_jax as rj
+from retrace_jax.dflash_loss import build_blocks, sample_anchors
+from retrace_jax.retrace import shift_memory
+from retrace_jax.retrace_loss import retrace_rollout
+from retrace_jax.speculative_loop import draft_block
+from retrace_jax.target import prefill
+from tests.test_retrace import _with_random_retrace
+
+
+def test_blocks_match_a_loop_reference():
+    rng = np.random.RandomState(0)
+    b, s, k, a, mask_id, gamma = 2, 20, 4, 5, 99, 3.0
+    tokens = rng.randint(0, 50, (b, s)).astype(np.int32)
+    loss_mask = (rng.rand(b, s) > 0.3).astype(np.int32)
+    anchors, valid = sample_anchors(jax.random.PRNGKey(1), jnp.asarray(loss_mask), a, k)
+    anchors, valid = np.asarray(anchors), np.asarray(valid)
+    got = build_blocks(jnp.asarray(tokens), jnp.asarray(loss_mask), jnp.asarray(anchors), jnp.asarray(valid), k,
+                       mask_id, gamma)
+    got = jax.tree.map(np.asarray, got)
+    for r in range(b):
+        cands = [p for p in range(s) if loss_mask[r, p] and p <= s - k]
+        assert sorted(anchors[r][valid[r]].tolist()) == anchors[r][valid[r]].tolist()
+        assert set(anchors[r][valid[r]].tolist()) <= set(cands)
+        assert valid[r].sum() == min(a, len(cands))
+        for i in range(a):
+            anc = anchors[r, i]
+            for j in range(k):
+                q = i * k + j
+                pos = anc + j
+                assert got.tokens_bak[r, i, j] == (tokens[r, anc] if j == 0 else mask_id)
+                assert got.positions_bak[r, i, j] == pos
+                label_ok = pos < s and valid[r, i] and j >= 1 and loss_mask[r, min(pos, s - 1)]
+                want_w = np.exp(-(j - 1) / gamma) if label_ok else 0.0
+                np.testing.assert_allclose(float(got.weights_bak[r, i, j]), want_w, rtol=1e-6)
+                if label_ok:
+                    assert got.labels_bak[r, i, j] == tokens[r, pos]
+                for key in range(s):  # context strictly before the anchor
+                    assert bool(got.mask_bt_st[r, q, key]) == (key < anc)
+                for i2 in range(a):  # its own block, both ways; never another block
+                    for j2 in range(k):
+                        assert bool(got.mask_bt_st[r, q, s + i2 * k + j2]) == (i2 == i)
+
+
+@pytest.fixture(scope="module")
+def qwen3(hf_model_dir):
+    return rj.load_target(hf_model_dir("qwen3")[1])
+
+
+@pytest.mark.parametrize("source", ["verify", "teacher"])
+def test_rollout_equals_two_inference_rounds(qwen3, trained_drafter, source):
+    dflash, prompts = trained_drafter
+    cfg = dataclasses.replace(dflash.cfg, retrace=rj.ReTraceConfig())
+    graphdef, state = nnx.split(rj.DFlashDrafter(cfg, rngs=nnx.Rngs(0)))
+    flat = dict(nnx.to_flat_state(state))
+    for path, var in nnx.to_flat_state(nnx.state(dflash)):
+        flat[path].set_value(var.get_value())
+    drafter = _with_random_retrace(nnx.merge(graphdef, nnx.from_flat_state(flat)), seed=3, scale=0.2)
+    k = cfg.block_size
+    prompt = prompts[0]
+    response = rj.generate(qwen3, [prompt], 40).tokens[0]  # the target's own greedy text
+    seq = np.asarray(prompt + response, np.int32)[None]
+    s_len = seq.shape[1]
+    anchors = np.arange(len(prompt), s_len - 2 * k, 3, dtype=np.int32)[None]
+    loss_mask = np.r_[np.zeros(len(prompt)), np.ones(len(response))].astype(np.int32)[None]
+    roll = retrace_rollout(drafter, qwen3, jnp.asarray(seq), jnp.asarray(loss_mask), jnp.asarray(anchors),
+                           jnp.ones(anchors.shape, bool), 1.0, correction_source=source)
+    layer_ids = cfg.target_layer_ids
+    seen_a = set()
+    for i, s in enumerate(anchors[0].tolist()):
+        # Inference round 1 at anchor s.
+        logits, tcache, feats = prefill(qwen3, jnp.asarray(seq[:, :s]), jnp.asarray([s], jnp.int32),
+                                        qwen3.init_cache(1, s_len + k), feature_layers=layer_ids)
+        dcache = drafter.extend_cache(feats, drafter.init_cache(1, s_len + k)).replace(lengths=jnp.asarray([s]))
+        anchor = jnp.asarray(seq[:, s])
+        hd = draft_block(qwen3, drafter, anchor, dcache, k)
+        proposals = jnp.argmax(qwen3.logits(hd[:, 1:]), -1).astype(jnp.int32)
+        out = qwen3(jnp.concatenate([anchor[:, None], proposals], 1), tcache, feature_layers=layer_ids)
+        choice = np.asarray(jnp.argmax(qwen3.logits(out.hidden), -1))[0]
+        a = 0
+        while a < k - 1 and int(proposals[0, a]) == choice[a]:
+            a += 1
+        assert a == int(roll.accepted_ba[0, i])
+        seen_a.add(a)
+        ht = out.hidden if source == "verify" else qwen3(jnp.asarray(seq[:, s : s + k]), tcache).hidden
+        memory = shift_memory(hd, ht, jnp.asarray([a]))
+        sl = slice(i * k, (i + 1) * k)
+        np.testing.assert_array_equal(np.asarray(roll.memory.valid[0, sl]), np.asarray(memory.valid[0]))
+        v = np.asarray(memory.valid[0])
+        np.testing.assert_allclose(np.asarray(roll.memory.mem_d[0, sl])[v], np.asarray(memory.mem_d[0])[v], atol=2e-5)
+        np.testing.assert_allclose(np.asarray(roll.memory.mem_t[0, sl])[v], np.asarray(memory.mem_t[0])[v], atol=2e-5)
+        # Inference round 2 at s' = s + a + 1, its cache extended by the verified positions.
+        s2 = s + a + 1
+        dcache2 = drafter.extend_cache(out.features, dcache).replace(lengths=jnp.asarray([s2]))
+        hd2 = draft_block(qwen3, drafter, jnp.asarray([choice[a]], jnp.int32), dcache2, k, memory)
+        assert choice[a] == seq[0, s2]
+        np.testing.assert_allclose(np.asarray(roll.hidden2_btd[0, sl]), np.asarray(hd2[0]), atol=5e-5)
+    assert len(seen_a) > 1  # several acceptance counts were exercised

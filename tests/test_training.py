@@ -1,0 +1,178 @@
+"""train.py end to end on CPU: prepare -> train -> checkpoint -> exact resume -> export -> lossless
+decoding, for DFlash and then ReTrace; resumable data preparation; clear errors that lose nothing."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import yaml
+from safetensors.numpy import load_file
+
+import retrace_jax as rj
+import train
+from retrace_jax import trainer
+from retrace_jax.data import DataError, PrepareSettings, prepare_shards, read_prompts
+from tests.hf_models import make_hf_model, save_hf_model, save_word_tokenizer
+
+PROMPT_LINES = [
+    {"conversations": [{"from": "human", "value": "w5 w6 w7 w8"}, {"from": "gpt", "value": "w9"}]},
+    {"messages": [{"role": "system", "content": "w3"}, {"role": "user", "content": "w10 w11 w12"}]},
+    {"prompt": "w20 w21 w22 w23 w24"},
+] + [{"prompt": " ".join(f"w{(7 * i + j) % 120 + 3}" for j in range(4 + i % 5))} for i in range(37)]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target_dir = save_hf_model(make_hf_model("qwen3"), str(root / "target"))
+    save_word_tokenizer(target_dir)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in PROMPT_LINES) + "\n")
+    config = {
+        "target": target_dir,
+        "data": {"prompts": str(prompts), "num_prompts": None, "eval_prompts": 4, "max_new_tokens": 32,
+                 "shard_size": 16, "dir": str(root / "data")},
+        "drafter": {"num_layers": 1, "block_size": 4, "mask_token_id": 127},
+        "train": {"steps": 40, "batch_size": 8, "seq_len": 48, "num_anchors": 6, "lr": 3e-3, "log_every": 1,
+                  "checkpoint_every": 20, "eval_max_new_tokens": 24},
+    }
+    path = root / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return root, str(path)
+
+
+def _records(out):
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def _tensors(out):
+    return load_file(os.path.join(out, "drafter", "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def dflash_run(workspace):
+    root, config = workspace
+    out = str(root / "dflash")
+    summary = train.main(["--config", config, "--set", f"out={out}"])
+    return out, summary
+
+
+def test_dflash_end_to_end(workspace, dflash_run):
+    root, config = workspace
+    out, summary = dflash_run
+    losses = [r["loss"] for r in _records(out) if "loss" in r]
+    assert len(losses) == 40
+    assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5])  # the loss falls
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["20", "40"]
+    target = rj.load_target(yaml.safe_load(open(config))["target"])
+    drafter = rj.load_drafter(os.path.join(out, "drafter"), target)
+    prompts = json.load(open(root / "data" / "eval_prompts.json"))
+    assert rj.generate(target, prompts, 24, drafter=drafter).tokens == rj.generate(target, prompts, 24).tokens
+    assert summary["eval_tau"] >= 1.0
+
+
+def test_resume_repeats_the_uninterrupted_run(workspace, dflash_run):
+    root, config = workspace
+    out = str(root / "interrupted")
+    train.main(["--config", config, "--set", f"out={out}", "--set", "train.stop_after=25"])
+    assert not os.path.exists(os.path.join(out, "drafter"))  # not finished: nothing exported
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["20", "25"]
+    train.main(["--config", config, "--set", f"out={out}"])
+    full = {r["step"]: r for r in _records(dflash_run[0]) if "loss" in r}
+    resumed = {r["step"]: r for r in _records(out) if "loss" in r}
+    assert any(r.get("event") == "resumed" and r["step"] == 25 for r in _records(out))
+    for step in (26, 27, 40):
+        assert resumed[step]["loss"] == full[step]["loss"], step
+    a, b = _tensors(dflash_run[0]), _tensors(out)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def test_retrace_from_the_dflash_checkpoint(workspace, dflash_run):
+    root, config = workspace
+    out = str(root / "retrace")
+    summary = train.main(["--config", config, "--set", f"out={out}", "--set", "train.objective=retrace",
+                          "--set", f"drafter.init={dflash_run[0]}/drafter", "--set", "train.steps=12",
+                          "--set", "train.lr=1e-3", "--set", "train.beta_warmup_steps=4"])
+    records = [r for r in _records(out) if "loss" in r]
+    assert records[0]["beta"] == 0.0 and records[-1]["beta"] == 1.0
+    assert {"loss_round1", "loss_round2", "tau_round2", "accepted_round1"} <= set(records[0])
+    target = rj.load_target(yaml.safe_load(open(config))["target"])
+    drafter = rj.load_drafter(summary["drafter"], target)
+    assert drafter.cfg.retrace == rj.ReTraceConfig()
+    assert np.any(np.asarray(drafter.retrace.value.full.kernel[...]))  # it learned past zero
+    prompts = json.load(open(root / "data" / "eval_prompts.json"))
+    assert rj.generate(target, prompts, 24, drafter=drafter).tokens == rj.generate(target, prompts, 24).tokens
+
+
+def test_data_preparation_resumes_and_keeps_finished_shards(tmp_path):
+    prompts = [[i % 7 + 1, 3] for i in range(10)]
+    settings = PrepareSettings(num_prompts=10, shard_size=4, max_prompt_len=8, max_new_tokens=3)
+    calls = []
+
+    def failing(chunk):
+        calls.append(len(chunk))
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # interrupted in the second shard
+        return [[5, 6, 7]] * len(chunk)
+
+    with pytest.raises(KeyboardInterrupt):
+        prepare_shards(str(tmp_path), prompts, settings, failing, progress=False)
+    first = tmp_path / "shard_00000.npz"
+    stamp = first.stat().st_mtime_ns
+    calls.clear()
+    manifest = prepare_shards(str(tmp_path), prompts, settings, lambda c: calls.append(len(c)) or [[5]] * len(c),
+                              progress=False)
+    assert calls == [4, 2] and manifest["done"] == [0, 1, 2]
+    assert first.stat().st_mtime_ns == stamp
+    other = PrepareSettings(num_prompts=10, shard_size=5, max_prompt_len=8, max_new_tokens=3)
+    with pytest.raises(DataError, match="other settings"):
+        prepare_shards(str(tmp_path), prompts, other, lambda c: [[1]] * len(c), progress=False)
+    assert first.stat().st_mtime_ns == stamp
+
+
+def test_prompt_files(tmp_path):
+    good = tmp_path / "p.jsonl"
+    good.write_text("\n".join(json.dumps(r) for r in PROMPT_LINES[:3]) + "\n\n")
+    got = read_prompts(str(good))
+    assert got[0] == [{"role": "user", "content": "w5 w6 w7 w8"}]
+    assert got[1] == [{"role": "system", "content": "w3"}, {"role": "user", "content": "w10 w11 w12"}]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "w1"}\n{"prompt": \n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2: not valid JSON"):
+        read_prompts(str(bad))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DataError, match="no prompts"):
+        read_prompts(str(empty))
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text('{"text": "w1"}\n')
+    with pytest.raises(DataError, match="odd.jsonl:1: a record needs"):
+        read_prompts(str(odd))
+    with pytest.raises(FileNotFoundError):
+        read_prompts(str(tmp_path / "missing.jsonl"))
+
+
+def test_bad_configs_fail_clearly_and_lose_nothing(workspace, dflash_run, tmp_path):
+    root, config = workspace
+    with pytest.raises(SystemExit, match="config file not found"):
+        train.main(["--config", str(tmp_path / "nope.yaml")])
+    with pytest.raises(FileNotFoundError, match="model directory not found"):
+        train.main(["--config", config, "--set", f"target={tmp_path}/missing", "--set", f"out={tmp_path}/a"])
+    with pytest.raises(FileNotFoundError, match="prompt file not found"):
+        train.main(["--config", config, "--set", f"data.prompts={tmp_path}/none.jsonl", "--set",
+                    f"data.dir={tmp_path}/d", "--set", f"out={tmp_path}/b"])
+    # A drafter made for another target.
+    other = tmp_path / "other"
+    rj.save_drafter(rj.init_drafter(rj.tiny.TINY_QWEN3, mask_token_id=3, num_layers=1, block_size=4), str(other))
+    with pytest.raises(rj.ConfigError, match="does not match the target"):
+        train.main(["--config", config, "--set", f"drafter.init={other}", "--set", f"out={tmp_path}/c"])
+    # A finished run is not disturbed by a bad rerun.
+    before = _tensors(dflash_run[0])
+    with pytest.raises(rj.ConfigError):
+        train.main(["--config", config, "--set", f"out={dflash_run[0]}", "--set", f"drafter.init={other}"])
+    after = _tensors(dflash_run[0])
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+    assert sorted(os.listdir(os.path.join(dflash_run[0], "checkpoints"))) == ["20", "40"]
