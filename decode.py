@@ -11,10 +11,10 @@ random drafter made on the spot (meaningless tokens, τ near 1).
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import retrace_jax as rj
+from retrace_jax.data import byte_encoder, chat_encoder, load_tokenizer
 from retrace_jax.tiny import tiny_target
 
 
@@ -39,26 +39,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def load_tokenizer(directory: str):
-    from transformers import AutoTokenizer
-
-    if not any(os.path.exists(os.path.join(directory, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-        raise FileNotFoundError(f"no tokenizer files in {directory}")
-    return AutoTokenizer.from_pretrained(directory)
-
-
-def encode(tokenizer, prompt: str, raw: bool) -> list[int]:
-    if raw or not getattr(tokenizer, "chat_template", None):
-        return tokenizer.encode(prompt)
-    messages = [{"role": "user", "content": prompt}]
-    try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False,
-                                            tokenize=True, return_dict=False)
-    except TypeError:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids)
-
-
 def timed_generate(target, ids, **kwargs):
     """Compiles with a first call, then times a second one (the steady-state speed)."""
     start = time.perf_counter()
@@ -76,20 +56,22 @@ def main(argv=None):
         raise SystemExit("--drafter needs --target (the model it was trained for)")
     if args.target == "tiny":
         target, tokenizer = tiny_target(), None
-        ids = [b % target.cfg.vocab_size for b in args.prompt.encode()]
+        ids = byte_encoder(target.cfg.vocab_size)([{"role": "user", "content": args.prompt}])
         stops = []
         drafter = rj.load_drafter(args.drafter, target) if args.drafter else None
     elif args.target:
         target = rj.load_target(args.target, dtype=args.dtype, mesh=mesh)
         tokenizer = load_tokenizer(args.target)
-        ids = encode(tokenizer, args.prompt, args.raw)
-        stops = sorted({t for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t is not None})
+        if tokenizer is None:
+            raise SystemExit(f"no tokenizer files in {args.target}")
+        ids = tokenizer.encode(args.prompt) if args.raw else chat_encoder(tokenizer)([{"role": "user", "content": args.prompt}])
+        stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         drafter = rj.load_drafter(args.drafter, target, dtype=args.dtype, mesh=mesh) if args.drafter else None
     else:
         print("No --target given: a smoke run with a tiny random Qwen3 and a random drafter made on the spot "
               "(meaningless tokens, τ near 1). Pass --target DIR [--drafter DIR] for real models.\n")
         target, tokenizer = tiny_target(), None
-        ids = [b % target.cfg.vocab_size for b in args.prompt.encode()]
+        ids = byte_encoder(target.cfg.vocab_size)([{"role": "user", "content": args.prompt}])
         stops = []
         drafter = rj.init_drafter(target.cfg, mask_token_id=target.cfg.vocab_size - 1, num_layers=1, block_size=8)
 

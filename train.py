@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 from retrace_jax import trainer
 
@@ -30,9 +29,13 @@ def main(argv=None):
                    help="all: prepare the data if needed, then train")
     args = p.parse_args(argv)
     try:
-        cfg = trainer.load_config(args.config, args.set)
-    except (FileNotFoundError, trainer.ConfigurationError) as err:
+        return run(args)
+    except (FileNotFoundError, ValueError) as err:  # ConfigError, CheckpointError, DataError, ConfigurationError
         raise SystemExit(f"error: {err}") from None
+
+
+def run(args):
+    cfg = trainer.load_config(args.config, args.set)
     os.makedirs(cfg["out"], exist_ok=True)
     metrics = open(os.path.join(cfg["out"], "metrics.jsonl"), "a")
 
@@ -61,4 +64,4 @@ def _unfinished(manifest_path: str) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() is not None or True else 1)
+    main()

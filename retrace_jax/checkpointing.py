@@ -34,9 +34,6 @@ class Checkpoints:
                                                                meta=ocp.args.JsonRestore()))
         return r.state["params"], r.state["opt_state"], r.meta
 
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
-
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()

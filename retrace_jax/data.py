@@ -71,6 +71,15 @@ def read_prompts(path: str, limit: int | None = None) -> list[list[dict]]:
     return prompts
 
 
+def load_tokenizer(directory: str):
+    """The Hugging Face tokenizer stored in a model directory, or None when it has none."""
+    if not any(os.path.exists(os.path.join(directory, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory)
+
+
 def chat_encoder(tokenizer, thinking: bool = False) -> Callable[[list[dict]], list[int]]:
     """Messages -> prompt token ids with the tokenizer's chat template (Qwen3 thinking off unless asked)."""
 
@@ -105,8 +114,11 @@ class PrepareSettings:
 
 
 def prepare_shards(out_dir: str, prompts_ids: Sequence[Sequence[int]], settings: PrepareSettings,
-                   generate_fn: Callable[[list[list[int]]], list[list[int]]], progress: bool = True) -> dict:
-    """Regenerates responses for ``prompts_ids`` shard by shard into ``out_dir`` (resumable)."""
+                   generate_fn: Callable[[list[list[int]], int], list[list[int]]], progress: bool = True) -> dict:
+    """Regenerates responses for ``prompts_ids`` shard by shard into ``out_dir`` (resumable).
+
+    ``generate_fn(prompts, first_index)`` returns the responses; ``first_index`` (the global index of
+    the first prompt) lets sampled regeneration use distinct random streams in every shard."""
     from tqdm import tqdm
 
     os.makedirs(out_dir, exist_ok=True)
@@ -126,7 +138,7 @@ def prepare_shards(out_dir: str, prompts_ids: Sequence[Sequence[int]], settings:
     tokens_done, start = 0, time.perf_counter()
     for i in todo:
         chunk = [list(p)[: settings.max_prompt_len] for p in prompts_ids[i * settings.shard_size:(i + 1) * settings.shard_size]]
-        responses = generate_fn(chunk)
+        responses = generate_fn(chunk, i * settings.shard_size)
         seqs = [(p, r) for p, r in zip(chunk, responses)]
         offsets = np.cumsum([0] + [len(p) + len(r) for p, r in seqs]).astype(np.int64)
         tokens = np.concatenate([np.asarray(p + r, np.int32) for p, r in seqs])

@@ -60,13 +60,22 @@ def build_blocks(tokens_bs, loss_mask_bs, anchors_ba, valid_ba, block_size: int,
     slot_weight = jnp.where(k >= 1, jnp.exp(-(k - 1.0) / gamma), 0.0)
     weights = slot_weight * (inside & label_mask & valid_ba[:, :, None])
     inputs = jnp.where(k == 0, labels, mask_token_id)
-    # Visibility: context strictly before the block's anchor, and the block's own slots.
+    return BlockBatch(inputs, positions, labels, weights, block_visibility(anchors_ba, s, block_size, causal=False))
+
+
+def block_visibility(anchors_ba, seq_len: int, block_size: int, causal: bool):
+    """``[B, A*K, S + A*K]``: each block slot sees the sequence strictly before its block's anchor and
+    its own block (all of it, or with ``causal`` only the slots up to itself), never another block."""
+    b, a = anchors_ba.shape
     t = a * block_size
     anchor_t = jnp.repeat(anchors_ba, block_size, axis=1)  # [B, T]
-    ctx = jnp.arange(s)[None, None, :] < anchor_t[:, :, None]  # [B, T, S]
+    ctx = jnp.arange(seq_len)[None, None, :] < anchor_t[:, :, None]  # [B, T, S]
     block_id = jnp.repeat(jnp.arange(a), block_size)
-    own = jnp.broadcast_to(block_id[:, None] == block_id[None, :], (b, t, t))
-    return BlockBatch(inputs, positions, labels, weights, jnp.concatenate([ctx, own], axis=-1))
+    own = block_id[:, None] == block_id[None, :]
+    if causal:
+        slot = jnp.tile(jnp.arange(block_size), a)
+        own = own & (slot[None, :] <= slot[:, None])
+    return jnp.concatenate([ctx, jnp.broadcast_to(own, (b, t, t))], axis=-1)
 
 
 def target_features(target: TargetModel, tokens_bs, layer_ids):
@@ -76,12 +85,20 @@ def target_features(target: TargetModel, tokens_bs, layer_ids):
     return jax.lax.stop_gradient(out.features)
 
 
-def draft_blocks(drafter: DFlashDrafter, target: TargetModel, features_bsf, blocks: BlockBatch, remat=False):
-    """Drafter final-norm hidden states of every block slot ``[B, A, K, d]``."""
+def sequence_context(drafter: DFlashDrafter, features_bsf):
+    """The drafter's per-layer context keys/values of every sequence position."""
+    b, s, _ = features_bsf.shape
+    return drafter.context_kv(features_bsf, jnp.broadcast_to(jnp.arange(s), (b, s)))
+
+
+def draft_blocks(drafter: DFlashDrafter, target: TargetModel, ctx_kv, blocks: BlockBatch, memory=None, beta=1.0,
+                 remat=False):
+    """Drafter final-norm hidden states of every block slot ``[B, A, K, d]`` (a ReTrace ``memory``
+    ``[B, A*K, ...]`` is fused into the block embeddings first)."""
     b, a, k = blocks.tokens_bak.shape
-    s = features_bsf.shape[1]
-    ctx_kv = drafter.context_kv(features_bsf, jnp.broadcast_to(jnp.arange(s), (b, s)))
-    emb = target.embed(blocks.tokens_bak.reshape(b, a * k))
+    emb = target.embed(blocks.tokens_bak.reshape(b, a * k)).astype(drafter.dtype)
+    if memory is not None:
+        emb = drafter.retrace(emb, memory, beta)
     hidden = drafter.forward(emb, blocks.positions_bak.reshape(b, a * k), ctx_kv, blocks.mask_bt_st, remat=remat)
     return hidden.reshape(b, a, k, -1)
 
@@ -112,5 +129,5 @@ def dflash_loss(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss_mas
     gamma = default_gamma(cfg.block_size) if gamma is None else gamma
     blocks = build_blocks(tokens_bs, loss_mask_bs, anchors_ba, valid_ba, cfg.block_size, cfg.mask_token_id, gamma)
     features = target_features(target, tokens_bs, cfg.target_layer_ids)
-    hidden = draft_blocks(drafter, target, features, blocks, remat)
+    hidden = draft_blocks(drafter, target, sequence_context(drafter, features), blocks, remat=remat)
     return block_loss(target.logits(hidden), blocks)

@@ -77,6 +77,8 @@ def generate(
     buckets reuse the compiled program.
     """
     mode = _sampling_mode(temperature, top_k, top_p, draft_rule)
+    if int(seed) != seed or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
     sampling = SamplingParams.make(temperature, top_k, top_p, seed)
     batch = _check_prompts(target, prompts, max_new_tokens)
     capacity = bucket(max_new_tokens)

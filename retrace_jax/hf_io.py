@@ -44,10 +44,8 @@ class WeightSpec:
     transpose: bool = False
     axes: tuple = (None,)
 
-    def to_param(self, array: np.ndarray) -> np.ndarray:
-        return array.T if self.transpose else array
-
-    def to_hf(self, array: np.ndarray) -> np.ndarray:
+    def convert(self, array: np.ndarray) -> np.ndarray:
+        """Checkpoint layout <-> parameter layout (the same operation both ways)."""
         return array.T if self.transpose else array
 
 
@@ -188,11 +186,11 @@ def load_into(module: nnx.Module, specs: list[WeightSpec], reader: TensorReader,
                 f"tensor {spec.hf_name} has shape {reader.shape(stored)}, the config implies {hf_expected}"
             )
         if mesh is None:
-            value = jnp.asarray(spec.to_param(reader.get(stored)), dtype=dtype)
+            value = jnp.asarray(spec.convert(reader.get(stored)), dtype=dtype)
         else:
             def read_shard(index, spec=spec, stored=stored):
                 hf_index = tuple(index[::-1]) if spec.transpose else tuple(index)
-                return np.asarray(spec.to_param(reader.get(stored, hf_index)), dtype=dtype)
+                return np.asarray(spec.convert(reader.get(stored, hf_index)), dtype=dtype)
 
             value = jax.make_array_from_callback(expected, named_sharding(spec.axes, expected, mesh), read_shard)
         flat[spec.path].set_value(value)
@@ -208,7 +206,7 @@ def load_into(module: nnx.Module, specs: list[WeightSpec], reader: TensorReader,
 def export_tensors(module: nnx.Module, specs: list[WeightSpec]) -> dict[str, np.ndarray]:
     """The module's parameters as Hugging Face named ``[out, in]`` arrays."""
     flat = dict(nnx.to_flat_state(nnx.state(module, nnx.Param)))
-    return {s.hf_name: np.ascontiguousarray(s.to_hf(np.asarray(jax.device_get(flat[s.path].get_value()))))
+    return {s.hf_name: np.ascontiguousarray(s.convert(np.asarray(jax.device_get(flat[s.path].get_value()))))
             for s in specs}
 
 
@@ -269,6 +267,8 @@ def load_drafter(path: str, target: TargetModel, dtype="float32", *, retrace: bo
     dtype = resolve_dtype(dtype)
     stored = DrafterConfig.from_hf(read_config_json(path))
     cfg = stored
+    if isinstance(retrace, ReTraceConfig) and stored.retrace not in (None, retrace):
+        raise ConfigError(f"{path} holds a ReTrace drafter with {stored.retrace}, not the requested {retrace}")
     if retrace not in (None, False) and stored.retrace is None:
         cfg = dataclasses.replace(stored, retrace=retrace if isinstance(retrace, ReTraceConfig) else ReTraceConfig())
     elif retrace is False:

@@ -14,7 +14,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from retrace_jax.dflash_loss import BlockBatch, LossMetrics, block_loss, build_blocks, default_gamma
+from retrace_jax.dflash_loss import (LossMetrics, block_loss, block_visibility, build_blocks, default_gamma,
+                                     draft_blocks, sequence_context)
 from retrace_jax.drafter import DFlashDrafter
 from retrace_jax.retrace import Memory, shift_memory
 from retrace_jax.target import TargetModel, forward_beside_context
@@ -37,24 +38,10 @@ def verify_blocks(target: TargetModel, seq_cache, blocks_bak, anchors_ba):
     """The target's final-norm states of drafted blocks ``[B, A, K, d]``: block ``i`` sits at positions
     ``anchor_i + 0..K-1``, sees the sequence strictly before its anchor and its own earlier slots."""
     b, a, k = blocks_bak.shape
-    s = seq_cache.max_len
-    anchor_t = jnp.repeat(anchors_ba, k, axis=1)  # [B, A*K]
-    ctx = jnp.arange(s)[None, None, :] < anchor_t[:, :, None]
-    block_id = jnp.repeat(jnp.arange(a), k)
-    slot = jnp.tile(jnp.arange(k), a)
-    own = (block_id[:, None] == block_id[None, :]) & (slot[None, :] <= slot[:, None])
-    mask = jnp.concatenate([ctx, jnp.broadcast_to(own, (b, a * k, a * k))], axis=-1)
+    mask = block_visibility(anchors_ba, seq_cache.max_len, k, causal=True)
     positions = (anchors_ba[:, :, None] + jnp.arange(k)).reshape(b, a * k)
     hidden = forward_beside_context(target, blocks_bak.reshape(b, a * k), positions, seq_cache, mask)
     return hidden.reshape(b, a, k, -1)
-
-
-def _draft(drafter, target, ctx_kv, blocks: BlockBatch, memory=None, beta=1.0, remat=False):
-    b, a, k = blocks.tokens_bak.shape
-    emb = target.embed(blocks.tokens_bak.reshape(b, a * k)).astype(drafter.dtype)
-    if memory is not None:
-        emb = drafter.retrace(emb, memory, beta)
-    return drafter.forward(emb, blocks.positions_bak.reshape(b, a * k), ctx_kv, blocks.mask_bt_st, remat=remat)
 
 
 def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss_mask_bs, anchors_ba, valid_ba,
@@ -68,11 +55,11 @@ def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss
     a_count = anchors_ba.shape[1]
     seq = target(tokens_bs, target.init_cache(b, s), feature_layers=cfg.target_layer_ids)
     seq = jax.lax.stop_gradient(seq)
-    ctx_kv = drafter.context_kv(seq.features, jnp.broadcast_to(jnp.arange(s), (b, s)))
+    ctx_kv = sequence_context(drafter, seq.features)
 
     # Round 1: DFlash drafting, no memory.
     blocks1 = build_blocks(tokens_bs, loss_mask_bs, anchors_ba, valid_ba, k, cfg.mask_token_id, gamma)
-    hidden1 = _draft(drafter, target, ctx_kv, blocks1, remat=remat).reshape(b, a_count, k, -1)
+    hidden1 = draft_blocks(drafter, target, ctx_kv, blocks1, remat=remat)
     logits1 = target.logits(hidden1)
     round1 = block_loss(logits1, blocks1)
     proposals = jnp.argmax(logits1[:, :, 1:], -1).astype(jnp.int32)  # [B, A, K-1]
@@ -98,9 +85,9 @@ def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss
     anchors2 = jnp.minimum(anchors2, s - 1)
     blocks2 = build_blocks(tokens_bs, loss_mask_bs, anchors2, valid2, k, cfg.mask_token_id, gamma)
     memory = memory.replace(valid=memory.valid & jnp.repeat(valid2, k, axis=1))
-    hidden2 = _draft(drafter, target, ctx_kv, blocks2, memory, beta, remat=remat)
-    round2 = block_loss(target.logits(hidden2.reshape(b, a_count, k, -1)), blocks2)
-    return Rollout(round1, round2, accepted, memory, hidden2, anchors2, valid2)
+    hidden2 = draft_blocks(drafter, target, ctx_kv, blocks2, memory, beta, remat=remat)
+    round2 = block_loss(target.logits(hidden2), blocks2)
+    return Rollout(round1, round2, accepted, memory, hidden2.reshape(b, a_count * k, -1), anchors2, valid2)
 
 
 def retrace_loss(drafter, target, tokens_bs, loss_mask_bs, anchors_ba, valid_ba, beta, *, round1_weight=1.0,

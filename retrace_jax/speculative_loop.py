@@ -110,7 +110,8 @@ def speculative_generate(target_def, target_state, drafter_def, drafter_state, t
         out = target(block, c.target_cache, feature_layers=layer_ids)
         a, tokens = verify_round(keys, proposals, draft_logits, target.logits(out.hidden), sampling, mode)
         buf = commit(c.buf, tokens, a + 1, max_new, stop_ids)
-        new_start = jnp.where(active, start + a + 1, start)
+        # A row that finishes keeps its old start: its later (ignored) rounds then stay inside the caches.
+        new_start = jnp.where(active & ~buf.done, start + a + 1, start)
         draft_cache = drafter.extend_cache(out.features, c.draft_cache)
         next_anchor = jnp.take_along_axis(tokens, a[:, None], axis=1)[:, 0]
         rows = jnp.arange(batch)

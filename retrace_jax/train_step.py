@@ -34,6 +34,7 @@ class StepOptions:
     beta_warmup_steps: int = 50  # ReTrace: beta ramps 0 -> 1 over these steps
     compute_dtype: str = "float32"  # "bfloat16": compute with bf16 copies of the float32 master weights
     remat: bool = False  # recompute drafter layer activations in the backward pass
+    grad_accum: int = 1  # micro-steps per optimizer update
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -61,7 +62,8 @@ def loss_fn(drafter_state, drafter_def, target, tokens_bs, loss_mask_bs, step, s
     if opts.objective == "dflash":
         m = dflash_loss(drafter, target, tokens_bs, loss_mask_bs, anchors, valid, opts.gamma, remat=opts.remat)
         return m.loss, {"loss": m.loss, "tau": m.tau, "slot_accuracy": m.slot_accuracy}
-    beta = jnp.clip(step / max(1, opts.beta_warmup_steps), 0.0, 1.0)
+    updates = step // opts.grad_accum  # beta ramps over optimizer updates, not micro-steps
+    beta = jnp.clip(updates / max(1, opts.beta_warmup_steps), 0.0, 1.0)
     loss, r = retrace_loss(drafter, target, tokens_bs, loss_mask_bs, anchors, valid, beta,
                            round1_weight=opts.round1_weight, correction_source=opts.correction_source,
                            gamma=opts.gamma, remat=opts.remat)

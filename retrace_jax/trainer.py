@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import signal
 import time
 from typing import Any
@@ -18,7 +19,7 @@ from flax import nnx
 
 from retrace_jax.checkpointing import Checkpoints
 from retrace_jax.data import (DataError, PrepareSettings, SequenceData, byte_encoder, chat_encoder, iter_prompt_ids,
-                              prepare_shards, read_prompts)
+                              load_tokenizer, prepare_shards, read_prompts)
 from retrace_jax.drafter import init_drafter
 from retrace_jax.generation import generate
 from retrace_jax.hf_io import check_drafter_matches, load_drafter, load_target, save_drafter, shard_model
@@ -42,7 +43,7 @@ DEFAULTS: dict[str, Any] = {
         "shard_size": 512,
         "temperature": 0.0,  # regeneration: greedy by default
         "thinking": False,  # Qwen3 chat template: thinking off unless asked
-        "drafter": None,  # a drafter directory to regenerate faster (output unchanged)
+        "drafter": None,  # a drafter directory to regenerate faster (same output at temperature 0)
         "dir": None,  # default: {out}/data
     },
     "drafter": {
@@ -102,14 +103,40 @@ def _merge(base: dict, update: dict, where: str = "") -> dict:
     return out
 
 
+NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+
+
 def _coerce(default, value):
-    """YAML reads ``1e-3`` as a string; numbers where the default is a number are parsed as such."""
-    if isinstance(value, str) and isinstance(default, (int, float)) and not isinstance(default, bool):
-        try:
-            return float(value) if isinstance(default, float) or not value.lstrip("-").isdigit() else int(value)
-        except ValueError:
-            raise ConfigurationError(f"expected a number, got {value!r}") from None
+    """YAML reads ``1e-3`` as a string: numbers are parsed where the default is a number (or unset)."""
+    if not isinstance(value, str) or isinstance(default, bool) or not isinstance(default, (int, float, type(None))):
+        return value
+    if NUMBER.match(value):
+        return int(value) if isinstance(default, int) and value.lstrip("+-").isdigit() else float(value)
+    if default is not None:
+        raise ConfigurationError(f"expected a number, got {value!r}")
     return value
+
+
+def validate(cfg) -> None:
+    """Checks the settings that would otherwise fail deep inside a run."""
+    t, d, dr = cfg["train"], cfg["data"], cfg["drafter"]
+    problems = []
+    for key in ("steps", "batch_size", "seq_len", "num_anchors", "log_every", "checkpoint_every", "grad_accum",
+                "keep_checkpoints", "eval_max_new_tokens"):
+        if not isinstance(t[key], int) or t[key] < 1:
+            problems.append(f"train.{key} must be a positive integer, got {t[key]!r}")
+    if not isinstance(t["eval_every"], int) or t["eval_every"] < 0:
+        problems.append(f"train.eval_every must be >= 0 (0: only at the end), got {t['eval_every']!r}")
+    if t["objective"] not in ("dflash", "retrace"):
+        problems.append(f"train.objective must be dflash or retrace, got {t['objective']!r}")
+    if not dr["init"] and isinstance(t["seq_len"], int) and t["seq_len"] < dr["block_size"] + 1:
+        problems.append(f"train.seq_len {t['seq_len']} leaves no room for a block of {dr['block_size']}")
+    if d["prompts"] == "random" and not isinstance(d["num_prompts"], int):
+        problems.append("data.num_prompts must be set for random prompts")
+    if not isinstance(d["eval_prompts"], int) or d["eval_prompts"] < 0:
+        problems.append(f"data.eval_prompts must be >= 0, got {d['eval_prompts']!r}")
+    if problems:
+        raise ConfigurationError("; ".join(problems))
 
 
 def load_config(path: str, overrides: list[str] = ()) -> dict:
@@ -127,6 +154,7 @@ def load_config(path: str, overrides: list[str] = ()) -> dict:
         for p in reversed(parents):
             patch = {p: patch}
         cfg = _merge(cfg, patch)
+    validate(cfg)
     return cfg
 
 
@@ -138,13 +166,7 @@ def build_target(cfg, mesh=None):
     if cfg["target"] == "tiny":
         target = tiny_target()
         return (shard_model(target, mesh) if mesh is not None else target), None
-    from transformers import AutoTokenizer
-
-    target = load_target(cfg["target"], dtype=cfg["target_dtype"], mesh=mesh)
-    tokenizer = None
-    if any(os.path.exists(os.path.join(cfg["target"], f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-        tokenizer = AutoTokenizer.from_pretrained(cfg["target"])
-    return target, tokenizer
+    return load_target(cfg["target"], dtype=cfg["target_dtype"], mesh=mesh), load_tokenizer(cfg["target"])
 
 
 # ---------------------------------------------------------------------------------------------- prepare
@@ -179,11 +201,11 @@ def prepare(cfg, log=print) -> str:
     drafter = load_drafter(d["drafter"], target) if d["drafter"] else None
     stops = [t for t in ([tokenizer.eos_token_id] if tokenizer is not None else []) if t is not None]
 
-    def generate_fn(chunk):
+    def generate_fn(chunk, first_index):
         tokens = []
         for i in range(0, len(chunk), d["gen_batch_size"]):
             out = generate(target, chunk[i : i + d["gen_batch_size"]], d["max_new_tokens"], drafter=drafter,
-                           temperature=d["temperature"], stop_token_ids=stops, seed=i)
+                           temperature=d["temperature"], stop_token_ids=stops, seed=first_index + i)
             tokens += out.tokens
         return tokens
 
@@ -221,6 +243,13 @@ def build_drafter(cfg, target, mesh):
             drafter = shard_model(drafter, mesh)
     if t["objective"] == "retrace" and drafter.cfg.retrace is None:
         raise ConfigurationError("objective retrace needs a ReTrace drafter")
+    if t["objective"] == "dflash" and drafter.cfg.retrace is not None:
+        raise ConfigurationError(f"{dc['init']} is a ReTrace drafter: train it with objective retrace (objective "
+                                 f"dflash would leave its ReTrace module untrained)")
+    seq_room = t["seq_len"] - drafter.cfg.block_size + 1
+    if t["num_anchors"] > seq_room:
+        raise ConfigurationError(f"train.num_anchors {t['num_anchors']} exceeds the {max(seq_room, 0)} anchor "
+                                 f"positions of a {t['seq_len']}-token sequence with block size {drafter.cfg.block_size}")
     return drafter
 
 
@@ -249,7 +278,8 @@ def train(cfg, log=print) -> dict:
     drafter = build_drafter(cfg, target, mesh)
     opts = StepOptions(objective=t["objective"], num_anchors=t["num_anchors"], gamma=t["gamma"],
                        round1_weight=t["round1_weight"], correction_source=t["correction_source"],
-                       beta_warmup_steps=t["beta_warmup_steps"], compute_dtype=t["compute_dtype"], remat=t["remat"])
+                       beta_warmup_steps=t["beta_warmup_steps"], compute_dtype=t["compute_dtype"], remat=t["remat"],
+                       grad_accum=t["grad_accum"])
     optimizer = adamw(t["lr"], t["steps"], t["warmup_frac"], t["weight_decay"], t["clip"], t["grad_accum"])
     target_def, target_state = nnx.split(target)
     drafter_def, drafter_state = nnx.split(drafter)
@@ -260,8 +290,15 @@ def train(cfg, log=print) -> dict:
                               opt_shardings=opt_sh)
     ckpts = Checkpoints(os.path.join(cfg["out"], "checkpoints"), keep=t["keep_checkpoints"])
     start = ckpts.latest_step() or 0
+    run_meta = {"seed": t["seed"], "objective": t["objective"], "batch_size": t["batch_size"], "seq_len": t["seq_len"],
+                "steps": t["steps"], "grad_accum": t["grad_accum"]}
     if start:
         drafter_state, opt_state, meta = ckpts.restore(start, drafter_state, opt_state)
+        changed = {k: (meta.get(k), v) for k, v in run_meta.items() if k in meta and meta[k] != v}
+        if changed:
+            ckpts.close()
+            raise ConfigurationError(f"{cfg['out']}/checkpoints was written with other settings {changed} "
+                                     f"(saved, now); an exact resume needs the same ones, or use a new out")
         log({"event": "resumed", "step": start, "from": meta})
     stop = _Stop()
     previous = signal.signal(signal.SIGTERM, stop) if _main_thread() else None
@@ -289,11 +326,11 @@ def train(cfg, log=print) -> dict:
                 summary["first_loss"] = summary["first_loss"] or record["loss"]
                 summary["last_loss"] = record["loss"]
                 log(record)
-            if t["eval_every"] and step % t["eval_every"] == 0 and step < t["steps"]:
+            if eval_ids and t["eval_every"] and step % t["eval_every"] == 0 and step < t["steps"]:
                 log(evaluate(target, nnx.merge(drafter_def, drafter_state), eval_ids, t, mesh, step))
             stopping = stop.requested or (t["stop_after"] is not None and summary["steps_run"] >= t["stop_after"])
             if step % t["checkpoint_every"] == 0 or step == t["steps"] or stopping:
-                ckpts.save(step, drafter_state, opt_state, {"seed": t["seed"], "objective": t["objective"]})
+                ckpts.save(step, drafter_state, opt_state, run_meta)
             if stopping:
                 log({"event": "stopped", "step": step, "reason": "SIGTERM" if stop.requested else "stop_after"})
                 break
@@ -304,7 +341,8 @@ def train(cfg, log=print) -> dict:
     summary["step"] = step
     if step >= t["steps"]:
         drafter = nnx.merge(drafter_def, drafter_state)
-        summary.update({k: v for k, v in evaluate(target, drafter, eval_ids, t, mesh, step).items() if k != "event"})
+        if eval_ids:
+            summary.update({k: v for k, v in evaluate(target, drafter, eval_ids, t, mesh, step).items() if k != "event"})
         export = os.path.join(cfg["out"], "drafter")
         if pid == 0:
             save_drafter(_gathered(drafter), export)

@@ -112,7 +112,7 @@ def test_data_preparation_resumes_and_keeps_finished_shards(tmp_path):
     settings = PrepareSettings(num_prompts=10, shard_size=4, max_prompt_len=8, max_new_tokens=3)
     calls = []
 
-    def failing(chunk):
+    def failing(chunk, first):
         calls.append(len(chunk))
         if len(calls) == 2:
             raise KeyboardInterrupt  # interrupted in the second shard
@@ -123,13 +123,13 @@ def test_data_preparation_resumes_and_keeps_finished_shards(tmp_path):
     first = tmp_path / "shard_00000.npz"
     stamp = first.stat().st_mtime_ns
     calls.clear()
-    manifest = prepare_shards(str(tmp_path), prompts, settings, lambda c: calls.append(len(c)) or [[5]] * len(c),
-                              progress=False)
-    assert calls == [4, 2] and manifest["done"] == [0, 1, 2]
+    manifest = prepare_shards(str(tmp_path), prompts, settings,
+                              lambda c, first: calls.append((len(c), first)) or [[5]] * len(c), progress=False)
+    assert calls == [(4, 4), (2, 8)] and manifest["done"] == [0, 1, 2]
     assert first.stat().st_mtime_ns == stamp
     other = PrepareSettings(num_prompts=10, shard_size=5, max_prompt_len=8, max_new_tokens=3)
     with pytest.raises(DataError, match="other settings"):
-        prepare_shards(str(tmp_path), prompts, other, lambda c: [[1]] * len(c), progress=False)
+        prepare_shards(str(tmp_path), prompts, other, lambda c, first: [[1]] * len(c), progress=False)
     assert first.stat().st_mtime_ns == stamp
 
 
@@ -159,20 +159,26 @@ def test_bad_configs_fail_clearly_and_lose_nothing(workspace, dflash_run, tmp_pa
     root, config = workspace
     with pytest.raises(SystemExit, match="config file not found"):
         train.main(["--config", str(tmp_path / "nope.yaml")])
-    with pytest.raises(FileNotFoundError, match="model directory not found"):
+    with pytest.raises(SystemExit, match="model directory not found"):
         train.main(["--config", config, "--set", f"target={tmp_path}/missing", "--set", f"out={tmp_path}/a"])
-    with pytest.raises(FileNotFoundError, match="prompt file not found"):
+    with pytest.raises(SystemExit, match="prompt file not found"):
         train.main(["--config", config, "--set", f"data.prompts={tmp_path}/none.jsonl", "--set",
                     f"data.dir={tmp_path}/d", "--set", f"out={tmp_path}/b"])
     # A drafter made for another target.
     other = tmp_path / "other"
     rj.save_drafter(rj.init_drafter(rj.tiny.TINY_QWEN3, mask_token_id=3, num_layers=1, block_size=4), str(other))
-    with pytest.raises(rj.ConfigError, match="does not match the target"):
+    with pytest.raises(SystemExit, match="does not match the target"):
         train.main(["--config", config, "--set", f"drafter.init={other}", "--set", f"out={tmp_path}/c"])
+    with pytest.raises(SystemExit, match="num_anchors 60 exceeds"):
+        train.main(["--config", config, "--set", "train.num_anchors=60", "--set", f"out={tmp_path}/e"])
+    with pytest.raises(SystemExit, match="train.log_every must be a positive integer"):
+        train.main(["--config", config, "--set", "train.log_every=0"])
     # A finished run is not disturbed by a bad rerun.
     before = _tensors(dflash_run[0])
-    with pytest.raises(rj.ConfigError):
+    with pytest.raises(SystemExit):
         train.main(["--config", config, "--set", f"out={dflash_run[0]}", "--set", f"drafter.init={other}"])
+    with pytest.raises(SystemExit, match="other settings"):  # a resume with another seed is refused
+        train.main(["--config", config, "--set", f"out={dflash_run[0]}", "--set", "train.seed=5"])
     after = _tensors(dflash_run[0])
     assert all(np.array_equal(before[k], after[k]) for k in before)
     assert sorted(os.listdir(os.path.join(dflash_run[0], "checkpoints"))) == ["20", "40"]
