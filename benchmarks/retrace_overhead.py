@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -22,6 +21,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
+from benchmarks.report import report  # noqa: E402
 from retrace_jax.tiny import TINY_QWEN3, tiny_target  # noqa: E402
 
 
@@ -64,13 +64,7 @@ def main():
         "retrace_ms_per_round": round(1e3 * med["retrace"] / rounds, 4),
         "retrace_over_dflash": round(med["retrace"] / med["dflash"], 4),
     }
-    print("| metric | value |\n|---|---|")
-    for k, v in result.items():
-        print(f"| {k} | {v} |")
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ both decoders run the same held-out prompts one at a time (batch 1), alternating
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -21,6 +20,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
+from benchmarks.report import report  # noqa: E402
 from retrace_jax.self_distill import regenerate, train_dflash  # noqa: E402
 from retrace_jax.tiny import tiny_target  # noqa: E402
 
@@ -93,13 +93,7 @@ def main():
         "wall_time_ratio_dflash_over_plain": round(times["dflash"] / times["plain"], 3),
     }
     print()
-    print("| metric | value |\n|---|---|")
-    for k, v in result.items():
-        print(f"| {k} | {v} |")
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -179,10 +179,9 @@ class SequenceData:
         self.tokens, self.mask = [], []
         for i in mine:
             with np.load(os.path.join(data_dir, f"shard_{i:05d}.npz")) as z:
-                off = z["offsets"]
-                for a, b in zip(off[:-1], off[1:]):
-                    self.tokens.append(z["tokens"][a:b])
-                    self.mask.append(z["loss_mask"][a:b])
+                off, tokens, mask = z["offsets"], z["tokens"], z["loss_mask"]  # each read once
+            self.tokens += np.split(tokens, off[1:-1])
+            self.mask += np.split(mask, off[1:-1])
         if not any(m.any() for m in self.mask):
             raise DataError(f"{data_dir}: the sequences have no response tokens to train on")
         self.seq_len = seq_len
@@ -190,8 +189,8 @@ class SequenceData:
     def __len__(self):
         return len(self.tokens)
 
-    def batch(self, step: int, batch_size: int, seed: int):
-        """``tokens [batch, seq_len]`` int32, ``loss_mask`` and the real lengths of training step ``step``."""
+    def indices(self, step: int, batch_size: int, seed: int) -> np.ndarray:
+        """The sequences of training step ``step``: consecutive slices of per-epoch permutations."""
         n = len(self.tokens)
         perms: dict[int, np.ndarray] = {}
         idx = []
@@ -200,15 +199,23 @@ class SequenceData:
             if epoch not in perms:
                 perms[epoch] = np.random.default_rng([seed, epoch]).permutation(n)
             idx.append(perms[epoch][pos])
-        tokens = np.zeros((batch_size, self.seq_len), np.int32)
-        mask = np.zeros((batch_size, self.seq_len), np.int32)
-        lengths = np.zeros((batch_size,), np.int32)
+        return np.asarray(idx)
+
+    def rows(self, idx):
+        """``tokens [len(idx), seq_len]`` int32, ``loss_mask`` and the real lengths of those sequences."""
+        tokens = np.zeros((len(idx), self.seq_len), np.int32)
+        mask = np.zeros((len(idx), self.seq_len), np.int32)
+        lengths = np.zeros((len(idx),), np.int32)
         for row, i in enumerate(idx):
             t, m = self.tokens[i][: self.seq_len], self.mask[i][: self.seq_len]
             tokens[row, : len(t)] = t
             mask[row, : len(m)] = m
             lengths[row] = len(t)
         return tokens, mask, lengths
+
+    def batch(self, step: int, batch_size: int, seed: int):
+        """``tokens``, ``loss_mask`` and lengths of training step ``step``."""
+        return self.rows(self.indices(step, batch_size, seed))
 
 
 def iter_prompt_ids(prompts: Iterable[list[dict]], encode) -> list[list[int]]:

@@ -124,10 +124,14 @@ def block_loss(logits_bakv, blocks: BlockBatch) -> LossMetrics:
 
 
 def dflash_loss(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss_mask_bs, anchors_ba, valid_ba,
-                gamma: float | None = None, remat: bool = False) -> LossMetrics:
+                gamma: float | None = None, remat: bool = False, features_bsf=None) -> LossMetrics:
+    """The DFlash loss; the target features are computed here unless precomputed ones are given."""
     cfg = drafter.cfg
     gamma = default_gamma(cfg.block_size) if gamma is None else gamma
     blocks = build_blocks(tokens_bs, loss_mask_bs, anchors_ba, valid_ba, cfg.block_size, cfg.mask_token_id, gamma)
-    features = target_features(target, tokens_bs, cfg.target_layer_ids)
+    if features_bsf is None:
+        features = target_features(target, tokens_bs, cfg.target_layer_ids)
+    else:
+        features = jax.lax.stop_gradient(features_bsf)
     hidden = draft_blocks(drafter, target, sequence_context(drafter, features), blocks, remat=remat)
     return block_loss(target.logits(hidden), blocks)

@@ -17,7 +17,7 @@ from flax import nnx
 
 from retrace_jax.config import ConfigError, rope_theta
 from retrace_jax.kv_cache import KVCache, write_rows
-from retrace_jax.layers import MLP, RMSNorm, attention, linear, rope
+from retrace_jax.layers import MLP, RMSNorm, attention_beside_context, linear, rope
 from retrace_jax.retrace import Memory, ReTraceConfig, ReTraceFusion
 
 
@@ -142,9 +142,8 @@ class DFlashAttention(nnx.Module):
         q = self.q_norm(self.q_proj(x_btd).reshape(b, t, cfg.num_heads, cfg.head_dim))
         q = rope(q, positions_bt, cfg.rope_theta)
         k_blk, v_blk = self.keys_values(x_btd, positions_bt)
-        k = jnp.concatenate([ctx_k_bskd, k_blk.astype(ctx_k_bskd.dtype)], axis=1)
-        v = jnp.concatenate([ctx_v_bskd, v_blk.astype(ctx_v_bskd.dtype)], axis=1)
-        return self.o_proj(attention(q, k, v, mask_bt_st).reshape(b, t, -1))
+        out = attention_beside_context(q, k_blk, v_blk, ctx_k_bskd, ctx_v_bskd, mask_bt_st)
+        return self.o_proj(out.reshape(b, t, -1))
 
 
 class DFlashLayer(nnx.Module):

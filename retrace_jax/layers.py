@@ -75,3 +75,12 @@ def attention(q_bthd, k_bskd, v_bskd, mask_bts):
     probs = jax.nn.softmax(scores, axis=-1).astype(v_bskd.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v_bskd)
     return out.reshape(b, t, h, d)
+
+
+def attention_beside_context(q_bthd, k_btkd, v_btkd, ctx_k_bskd, ctx_v_bskd, mask_bt_st):
+    """Attention over a fixed context followed by the new tokens' own keys: ``mask[:, :, :S]`` covers
+    the context, ``mask[:, :, S:]`` the new tokens. Used by DFlash's KV injection and by training's
+    verification of drafted blocks."""
+    keys = jnp.concatenate([ctx_k_bskd, k_btkd.astype(ctx_k_bskd.dtype)], axis=1)
+    values = jnp.concatenate([ctx_v_bskd, v_btkd.astype(ctx_v_bskd.dtype)], axis=1)
+    return attention(q_bthd, keys, values, mask_bt_st)

@@ -10,7 +10,7 @@ from flax import nnx
 
 from retrace_jax.config import ModelConfig
 from retrace_jax.kv_cache import KVCache, write_rows
-from retrace_jax.layers import MLP, RMSNorm, attention, linear, rope
+from retrace_jax.layers import MLP, RMSNorm, attention, attention_beside_context, linear, rope
 
 
 class Attention(nnx.Module):
@@ -53,9 +53,8 @@ class Attention(nnx.Module):
         ``mask[:, :, :S]`` covers the context, ``mask[:, :, S:]`` the new tokens."""
         b, t, _ = x_btd.shape
         q, k, v = self.qkv(x_btd, positions_bt)
-        keys = jnp.concatenate([ctx_k_bskd, k.astype(ctx_k_bskd.dtype)], axis=1)
-        values = jnp.concatenate([ctx_v_bskd, v.astype(ctx_v_bskd.dtype)], axis=1)
-        return self.o_proj(attention(q, keys, values, mask_bt_st).reshape(b, t, -1))
+        out = attention_beside_context(q, k, v, ctx_k_bskd, ctx_v_bskd, mask_bt_st)
+        return self.o_proj(out.reshape(b, t, -1))
 
 
 class DecoderLayer(nnx.Module):

@@ -53,14 +53,16 @@ def adamw(lr: float, steps: int, warmup_frac: float = 0.04, weight_decay: float 
     return optax.MultiSteps(opt, grad_accum) if grad_accum > 1 else opt
 
 
-def loss_fn(drafter_state, drafter_def, target, tokens_bs, loss_mask_bs, step, seed, opts: StepOptions):
+def loss_fn(drafter_state, drafter_def, target, tokens_bs, loss_mask_bs, step, seed, opts: StepOptions,
+            features_bsf=None):
     if opts.compute_dtype == "bfloat16":
         drafter_state = jax.tree.map(lambda x: x.astype(jnp.bfloat16), drafter_state)
     drafter = nnx.merge(drafter_def, drafter_state)
     key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
     anchors, valid = sample_anchors(key, loss_mask_bs, opts.num_anchors, drafter.cfg.block_size)
     if opts.objective == "dflash":
-        m = dflash_loss(drafter, target, tokens_bs, loss_mask_bs, anchors, valid, opts.gamma, remat=opts.remat)
+        m = dflash_loss(drafter, target, tokens_bs, loss_mask_bs, anchors, valid, opts.gamma, remat=opts.remat,
+                        features_bsf=features_bsf)
         return m.loss, {"loss": m.loss, "tau": m.tau, "slot_accuracy": m.slot_accuracy}
     updates = step // opts.grad_accum  # beta ramps over optimizer updates, not micro-steps
     beta = jnp.clip(updates / max(1, opts.beta_warmup_steps), 0.0, 1.0)
@@ -73,11 +75,12 @@ def loss_fn(drafter_state, drafter_def, target, tokens_bs, loss_mask_bs, step, s
                   "accepted_round1": jnp.sum(r.accepted_ba * valid) / jnp.maximum(jnp.sum(valid), 1)}
 
 
-def _step(target_state, drafter_state, opt_state, tokens_bs, loss_mask_bs, step, seed, *, target_def, drafter_def,
-          optimizer, opts):
+def _step(target_state, drafter_state, opt_state, tokens_bs, loss_mask_bs, step, seed, features_bsf=None, *,
+          target_def, drafter_def, optimizer, opts):
     target = nnx.merge(target_def, target_state)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (_, metrics), grads = grad_fn(drafter_state, drafter_def, target, tokens_bs, loss_mask_bs, step, seed, opts)
+    (_, metrics), grads = grad_fn(drafter_state, drafter_def, target, tokens_bs, loss_mask_bs, step, seed, opts,
+                                  features_bsf)
     updates, opt_state = optimizer.update(grads, opt_state, drafter_state)
     metrics["grad_norm"] = _norm(grads)
     return optax.apply_updates(drafter_state, updates), opt_state, metrics
@@ -98,14 +101,20 @@ def init_opt_state(optimizer, drafter_state, mesh=None):
 
 
 def make_train_step(target_def, drafter_def, optimizer, opts: StepOptions, *, mesh=None, drafter_shardings=None,
-                    opt_shardings=None):
-    """The jitted step ``(target_state, drafter_state, opt_state, tokens, loss_mask, step, seed) ->
-    (drafter_state, opt_state, metrics)``; drafter and optimizer states are donated. With a mesh the
-    batch is sharded over the data axes and the updated states keep the given shardings."""
+                    opt_shardings=None, precomputed_features=False):
+    """The jitted step ``(target_state, drafter_state, opt_state, tokens, loss_mask, step, seed[, features])
+    -> (drafter_state, opt_state, metrics)``; drafter and optimizer states are donated. With
+    ``precomputed_features`` (DFlash only) the target features come in with the batch instead of being
+    computed in the step. With a mesh the batch is sharded over the data axes and the updated states keep
+    the given shardings."""
+    if precomputed_features and opts.objective != "dflash":
+        raise ValueError("precomputed target features serve the DFlash objective only")
     fn = functools.partial(_step, target_def=target_def, drafter_def=drafter_def, optimizer=optimizer, opts=opts)
     if mesh is None:
         return jax.jit(fn, donate_argnums=(1, 2))
     batch, replicated = batch_sharding(mesh, 2), NamedSharding(mesh, PartitionSpec())
     in_shardings = (None, drafter_shardings, opt_shardings, batch, batch, replicated, replicated)
+    if precomputed_features:
+        in_shardings += (batch_sharding(mesh, 3),)
     return jax.jit(fn, donate_argnums=(1, 2), in_shardings=in_shardings,
                    out_shardings=(drafter_shardings, opt_shardings, replicated))

@@ -20,6 +20,7 @@ from flax import nnx
 from retrace_jax.checkpointing import Checkpoints
 from retrace_jax.data import (DataError, PrepareSettings, SequenceData, byte_encoder, chat_encoder, iter_prompt_ids,
                               load_tokenizer, prepare_shards, read_prompts)
+from retrace_jax.dflash_loss import target_features
 from retrace_jax.drafter import init_drafter
 from retrace_jax.generation import generate
 from retrace_jax.hf_io import check_drafter_matches, load_drafter, load_target, save_drafter, shard_model
@@ -68,6 +69,7 @@ DEFAULTS: dict[str, Any] = {
         "grad_accum": 1,
         "compute_dtype": "float32",
         "remat": False,
+        "feature_cache": False,  # DFlash: compute the target features of all sequences once, keep them in memory
         "gamma": None,
         "round1_weight": 1.0,
         "correction_source": "verify",
@@ -135,6 +137,8 @@ def validate(cfg) -> None:
         problems.append("data.num_prompts must be set for random prompts")
     if not isinstance(d["eval_prompts"], int) or d["eval_prompts"] < 0:
         problems.append(f"data.eval_prompts must be >= 0, got {d['eval_prompts']!r}")
+    if t["feature_cache"] and t["objective"] != "dflash":
+        problems.append("train.feature_cache serves the dflash objective only (ReTrace runs the target on drafts)")
     if problems:
         raise ConfigurationError("; ".join(problems))
 
@@ -287,7 +291,9 @@ def train(cfg, log=print) -> dict:
     drafter_sh = jax.tree.map(lambda x: x.sharding, drafter_state)
     opt_sh = jax.tree.map(lambda x: x.sharding, opt_state)
     step_fn = make_train_step(target_def, drafter_def, optimizer, opts, mesh=mesh, drafter_shardings=drafter_sh,
-                              opt_shardings=opt_sh)
+                              opt_shardings=opt_sh, precomputed_features=t["feature_cache"])
+    local_batch = t["batch_size"] // nproc
+    features = cached_features(target, drafter.cfg.target_layer_ids, data, local_batch, log) if t["feature_cache"] else None
     ckpts = Checkpoints(os.path.join(cfg["out"], "checkpoints"), keep=t["keep_checkpoints"])
     start = ckpts.latest_step() or 0
     run_meta = {"seed": t["seed"], "objective": t["objective"], "batch_size": t["batch_size"], "seq_len": t["seq_len"],
@@ -302,18 +308,19 @@ def train(cfg, log=print) -> dict:
         log({"event": "resumed", "step": start, "from": meta})
     stop = _Stop()
     previous = signal.signal(signal.SIGTERM, stop) if _main_thread() else None
-    local_batch = t["batch_size"] // nproc
     sharding = batch_sharding(mesh, 2)
     summary = {"steps_run": 0, "first_loss": None, "last_loss": None}
     tick, tokens_seen = time.perf_counter(), 0
     step = start
     try:
         while step < t["steps"]:
-            tokens, mask, lengths = data.batch(step, local_batch, t["seed"])
-            tokens_g = jax.make_array_from_process_local_data(sharding, tokens)
-            mask_g = jax.make_array_from_process_local_data(sharding, mask)
-            drafter_state, opt_state, metrics = step_fn(target_state, drafter_state, opt_state, tokens_g, mask_g,
-                                                        jnp.int32(step), jnp.uint32(t["seed"]))
+            idx = data.indices(step, local_batch, t["seed"])
+            tokens, mask, lengths = data.rows(idx)
+            batch = [jax.make_array_from_process_local_data(sharding, x) for x in (tokens, mask)]
+            if features is not None:
+                batch.append(jax.make_array_from_process_local_data(batch_sharding(mesh, 3), features[idx]))
+            drafter_state, opt_state, metrics = step_fn(target_state, drafter_state, opt_state, batch[0], batch[1],
+                                                        jnp.int32(step), jnp.uint32(t["seed"]), *batch[2:])
             step += 1
             summary["steps_run"] += 1
             tokens_seen += int(lengths.sum()) * nproc
@@ -349,6 +356,31 @@ def train(cfg, log=print) -> dict:
         summary["drafter"] = export
         log({"event": "done", **summary})
     return summary
+
+
+FEATURE_CACHE_LIMIT = 16 << 30  # bytes of host memory the feature cache may take
+
+
+def cached_features(target, layer_ids, data: SequenceData, batch_size: int, log) -> np.ndarray:
+    """The frozen target's features of every local sequence ``[N, seq_len, n*d]``, computed once."""
+    width = len(layer_ids) * target.cfg.hidden_size
+    itemsize = jnp.dtype(target.dtype).itemsize
+    size = len(data) * data.seq_len * width * itemsize
+    if size > FEATURE_CACHE_LIMIT:
+        raise ConfigurationError(f"train.feature_cache would take {size / 2**30:.1f} GiB of host memory "
+                                 f"(limit {FEATURE_CACHE_LIMIT / 2**30:.0f} GiB); compute features online instead")
+    graphdef, state = nnx.split(target)
+    fn = jax.jit(lambda st, tokens: target_features(nnx.merge(graphdef, st), tokens, tuple(layer_ids)))
+    out = np.zeros((len(data), data.seq_len, width), jnp.dtype(target.dtype))
+    start = time.perf_counter()
+    for i in range(0, len(data), batch_size):
+        idx = np.arange(i, min(i + batch_size, len(data)))
+        tokens = np.zeros((batch_size, data.seq_len), np.int32)
+        tokens[: len(idx)] = data.rows(idx)[0]
+        out[idx] = np.asarray(jax.device_get(fn(state, tokens)))[: len(idx)]
+    log({"event": "feature_cache", "sequences": len(data), "gib": round(size / 2**30, 3),
+         "seconds": round(time.perf_counter() - start, 1)})
+    return out
 
 
 def evaluate(target, drafter, eval_ids, t, mesh, step) -> dict:
