@@ -13,7 +13,7 @@ from retrace_jax.drafter import DFlashDrafter
 from retrace_jax.hf_io import check_drafter_matches, shard_model
 from retrace_jax.plain_loop import plain_generate
 from retrace_jax.sampling import SamplingMode, SamplingParams
-from retrace_jax.sharding import axis_size, named_sharding
+from retrace_jax.sharding import axis_size, batch_sharding
 from retrace_jax.speculative_loop import speculative_generate
 from retrace_jax.target import TargetModel
 
@@ -90,8 +90,7 @@ def generate(
         drafter = None if drafter is None else shard_model(drafter, mesh)
     tokens, lens, live = _pad_prompts(prompts, rows, bucket(max(map(len, prompts))))
     if mesh is not None:
-        tokens, lens, live = (jax.device_put(x, named_sharding(("batch",) + (None,) * (x.ndim - 1), x.shape, mesh))
-                              for x in (tokens, lens, live))
+        tokens, lens, live = (jax.device_put(x, batch_sharding(mesh, x.ndim)) for x in (tokens, lens, live))
     stops = _pad_stops(stop_token_ids, target.cfg.vocab_size)
     target_def, target_state = nnx.split(target)
     max_new = np.int32(max_new_tokens)
