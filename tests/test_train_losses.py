@@ -106,3 +106,28 @@ def test_rollout_equals_two_inference_rounds(qwen3, trained_drafter, source):
         assert choice[a] == seq[0, s2]
         np.testing.assert_allclose(np.asarray(roll.hidden2_btd[0, sl]), np.asarray(hd2[0]), atol=5e-5)
     assert len(seen_a) > 1  # several acceptance counts were exercised
+
+
+def test_bf16_compute_remat_and_accumulation(qwen3):
+    from retrace_jax.train_step import StepOptions, adamw, init_opt_state, make_train_step
+
+    rng = np.random.RandomState(0)
+    tokens = jnp.asarray(rng.randint(0, 127, (4, 32)), jnp.int32)
+    mask = jnp.asarray(np.r_[np.zeros(6), np.ones(26)][None].repeat(4, 0), jnp.int32)
+    opts = StepOptions(objective="retrace", compute_dtype="bfloat16", remat=True, num_anchors=3, grad_accum=2)
+    drafter = rj.init_drafter(qwen3.cfg, mask_token_id=127, num_layers=1, block_size=4, retrace=rj.ReTraceConfig())
+    optimizer = adamw(1e-2, 8, grad_accum=2)
+    (tdef, ts), (ddef, ds) = nnx.split(qwen3), nnx.split(drafter)
+    ds = jax.tree.map(jnp.copy, ds)
+    step = make_train_step(tdef, ddef, optimizer, opts)
+    opt_state = init_opt_state(optimizer, ds)
+    snapshots = [jax.tree.map(np.asarray, ds)]
+    for i in range(6):
+        ds, opt_state, metrics = step(ts, ds, opt_state, tokens, mask, jnp.int32(i), jnp.uint32(0))
+        assert np.isfinite(float(metrics["loss"]))
+        snapshots.append(jax.tree.map(np.asarray, ds))
+    assert all(x.dtype == np.float32 for x in jax.tree.leaves(snapshots[-1]))  # float32 master weights
+    changed = [any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(q)))
+               for p, q in zip(snapshots, snapshots[1:])]
+    # One update per two accumulated micro-steps; the first update has learning rate 0 (warm-up starts at 0).
+    assert changed == [False, False, False, True, False, True]
