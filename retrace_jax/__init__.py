@@ -25,4 +25,4 @@ __all__ = [
 import retrace_jax.tiny as tiny
 from retrace_jax.generation import GenerateOutput, generate
 
-__all__ += ["GenerateOutput", "generate"]
+__all__ += ["GenerateOutput", "generate", "tiny"]

@@ -286,7 +286,7 @@ def load_drafter(path: str, target: TargetModel, dtype="float32", *, retrace: bo
         init = ReTraceFusion(cfg.retrace, cfg.hidden_size, cfg.hidden_size, dtype=dtype, rngs=nnx.Rngs(seed))
         fresh = {("retrace",) + p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(init))}
     elif cfg.retrace is not None:
-        specs = specs + retrace_specs(cfg.retrace)
+        specs = all_drafter_specs(cfg)
     return load_into(module, specs, reader, dtype, aliases=strip_prefix(reader.names(), "model."),
                      ignore=ignore, fresh=fresh, mesh=mesh)
 

@@ -16,7 +16,7 @@ from flax import nnx
 from retrace_jax.drafter import DFlashDrafter
 from retrace_jax.generation import generate
 from retrace_jax.target import TargetModel
-from retrace_jax.train_step import StepOptions, adamw, make_train_step
+from retrace_jax.train_step import StepOptions, adamw, init_opt_state, make_train_step
 
 
 def regenerate(target: TargetModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -47,7 +47,7 @@ def train_dflash(target: TargetModel, drafter: DFlashDrafter, tokens_ns, loss_ma
     drafter_def, drafter_state = nnx.split(drafter)
     drafter_state = jax.tree.map(jnp.copy, drafter_state)  # the step donates its input
     optimizer = adamw(lr, steps)
-    opt_state = optimizer.init(drafter_state)
+    opt_state = init_opt_state(optimizer, drafter_state)
     step_fn = make_train_step(target_def, drafter_def, optimizer, StepOptions(num_anchors=num_anchors))
     tokens, mask = jnp.asarray(tokens_ns), jnp.asarray(loss_mask_ns)
     rng = np.random.default_rng(seed)

@@ -19,7 +19,6 @@ import retrace_jax as rj  # noqa: E402
 from retrace_jax.sharding import CACHE_AXES, named_sharding  # noqa: E402
 from tests.hf_models import make_hf_model, save_hf_model  # noqa: E402
 from tests.test_drafter import randomize  # noqa: E402
-from tests.test_retrace import _with_random_retrace  # noqa: E402
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3], [40, 41, 42, 43]]
 

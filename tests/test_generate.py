@@ -1,6 +1,5 @@
 """Greedy generation as one program: equal to transformers, batch-invariant, exact stopping."""
 
-import numpy as np
 import pytest
 import torch
 

@@ -3,7 +3,6 @@ decoding, for DFlash and then ReTrace; resumable data preparation; clear errors 
 
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -12,7 +11,6 @@ from safetensors.numpy import load_file
 
 import retrace_jax as rj
 import train
-from retrace_jax import trainer
 from retrace_jax.data import DataError, PrepareSettings, prepare_shards, read_prompts
 from tests.hf_models import make_hf_model, save_hf_model, save_word_tokenizer
 
