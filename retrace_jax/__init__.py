@@ -22,7 +22,8 @@ __all__ = [
     "save_drafter",
     "shard_model",
 ]
+import retrace_jax.assets as assets
 import retrace_jax.tiny as tiny
 from retrace_jax.generation import GenerateOutput, generate
 
-__all__ += ["GenerateOutput", "generate", "tiny"]
+__all__ += ["GenerateOutput", "assets", "generate", "tiny"]

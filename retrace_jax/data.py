@@ -224,3 +224,10 @@ def iter_prompt_ids(prompts: Iterable[list[dict]], encode) -> list[list[int]]:
     if empty:
         raise DataError(f"prompts {empty[:5]} encode to no tokens")
     return ids
+
+
+def drop_long(ids: list[list[int]], max_len: int, limit: int | None = None) -> tuple[list[list[int]], int]:
+    """The first ``limit`` (all: None) prompts of at most ``max_len`` tokens, and how many longer ones
+    were left out of the whole list."""
+    kept = [p for p in ids if len(p) <= max_len]
+    return (kept if limit is None else kept[:limit]), len(ids) - len(kept)

@@ -309,14 +309,16 @@ def shard_model(module, mesh: Mesh):
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def save_drafter(drafter: DFlashDrafter, path: str) -> None:
-    """Writes ``config.json`` and ``model.safetensors`` in the official DFlash layout."""
+def save_drafter(drafter: DFlashDrafter, path: str, dtype=None) -> None:
+    """Writes ``config.json`` and ``model.safetensors`` in the official DFlash layout; ``dtype``
+    ("float32" or "bfloat16") stores the weights in that type (default: the drafter's own)."""
+    dtype = resolve_dtype(dtype if dtype is not None else drafter.dtype)
     os.makedirs(path, exist_ok=True)
     hf = drafter.cfg.to_hf()
-    hf["torch_dtype"] = jnp.dtype(drafter.dtype).name
+    hf["torch_dtype"] = dtype.name
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
-    tensors = export_tensors(drafter, all_drafter_specs(drafter.cfg))
+    tensors = {k: v.astype(dtype) for k, v in export_tensors(drafter, all_drafter_specs(drafter.cfg)).items()}
     save_file(tensors, os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
 
 

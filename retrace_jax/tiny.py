@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from retrace_jax.config import ModelConfig
@@ -28,11 +29,12 @@ TINY_QWEN3 = ModelConfig(
 )
 
 
-def tiny_target(seed: int = 0, cfg: ModelConfig = TINY_QWEN3, weight_std: float = 0.08) -> TargetModel:
-    """A randomly initialised float32 Qwen3-shaped target (its text is meaningless).
+def tiny_target(seed: int = 0, cfg: ModelConfig = TINY_QWEN3, weight_std: float = 0.08,
+                dtype=jnp.float32) -> TargetModel:
+    """A randomly initialised Qwen3-shaped target (float32 unless ``dtype``; its text is meaningless).
 
     Matrices are drawn with ``weight_std`` (0.08: greedy outputs vary instead of repeating one token).
     """
-    graphdef, state = nnx.split(TargetModel(cfg, rngs=nnx.Rngs(seed)))
+    graphdef, state = nnx.split(TargetModel(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed)))
     state = jax.tree.map(lambda x: x * (weight_std / 0.02) if x.ndim == 2 else x, state)
     return nnx.merge(graphdef, state)

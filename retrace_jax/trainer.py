@@ -18,8 +18,8 @@ import yaml
 from flax import nnx
 
 from retrace_jax.checkpointing import Checkpoints
-from retrace_jax.data import (DataError, PrepareSettings, SequenceData, byte_encoder, chat_encoder, iter_prompt_ids,
-                              load_tokenizer, prepare_shards, read_prompts)
+from retrace_jax.data import (DataError, PrepareSettings, SequenceData, byte_encoder, chat_encoder, drop_long,
+                              iter_prompt_ids, load_tokenizer, prepare_shards, read_prompts)
 from retrace_jax.dflash_loss import target_features
 from retrace_jax.drafter import init_drafter
 from retrace_jax.generation import generate
@@ -38,7 +38,8 @@ DEFAULTS: dict[str, Any] = {
         "num_prompts": 1024,  # how many prompts to use (random prompts: how many to draw); null: all
         "prompt_len": 8,  # random prompts only
         "eval_prompts": 16,  # held out from training for the periodic τ evaluation
-        "max_prompt_len": 1024,  # longer prompts are cut to their first tokens
+        "max_prompt_len": 1024,  # longer prompts are cut to their first tokens (or dropped, below)
+        "drop_long_prompts": False,  # true: prompts longer than max_prompt_len are left out instead of cut
         "max_new_tokens": 64,  # response length of the regeneration
         "gen_batch_size": 64,
         "shard_size": 512,
@@ -158,8 +159,16 @@ def load_config(path: str, overrides: list[str] = ()) -> dict:
         for p in reversed(parents):
             patch = {p: patch}
         cfg = _merge(cfg, patch)
+    for section, key in PATH_KEYS:
+        holder = cfg[section] if section else cfg
+        if isinstance(holder[key], str):
+            holder[key] = os.path.expanduser(holder[key])
     validate(cfg)
     return cfg
+
+
+PATH_KEYS = ((None, "target"), (None, "out"), ("data", "prompts"), ("data", "dir"), ("data", "drafter"),
+             ("drafter", "init"))
 
 
 def data_dir(cfg) -> str:
@@ -187,7 +196,11 @@ def prepare(cfg, log=print) -> str:
     else:
         limit = None if d["num_prompts"] is None else d["num_prompts"] + n_eval
         encode = chat_encoder(tokenizer, d["thinking"]) if tokenizer is not None else byte_encoder(vocab)
-        ids = iter_prompt_ids(read_prompts(d["prompts"], limit), encode)
+        ids = iter_prompt_ids(read_prompts(d["prompts"], None if d["drop_long_prompts"] else limit), encode)
+        if d["drop_long_prompts"]:
+            ids, dropped = drop_long(ids, d["max_prompt_len"], limit)
+            log({"event": "dropped_long_prompts", "kept": len(ids), "dropped": dropped,
+                 "max_prompt_len": d["max_prompt_len"]})
     if len(ids) <= n_eval:
         raise DataError(f"{len(ids)} prompts leave none for training after holding out {n_eval} for evaluation")
     train_ids, eval_ids = ids[: len(ids) - n_eval], ids[len(ids) - n_eval :]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from flax import nnx
 from safetensors.numpy import load_file, save_file
+from safetensors.torch import load_file as load_torch
 
 import retrace_jax as rj
 from tests.dflash_reference import RefDFlashDraftModel
@@ -49,6 +50,16 @@ def test_saved_drafter_loads_in_reference_pytorch_model(drafter, tmp_path):
     assert not any(k.startswith("model.") for k in load_file(str(tmp_path / "model.safetensors")))
     ref, info = RefDFlashDraftModel.from_pretrained(str(tmp_path), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_saved_in_bfloat16_loads_close(drafter, target, tmp_path):
+    rj.save_drafter(drafter, str(tmp_path), dtype="bfloat16")
+    assert json.load(open(tmp_path / "config.json"))["torch_dtype"] == "bfloat16"
+    assert {v.dtype for v in load_torch(str(tmp_path / "model.safetensors")).values()} == {torch.bfloat16}
+    loaded = rj.load_drafter(str(tmp_path), target)
+    for a, b in zip(jax.tree.leaves(nnx.state(drafter, nnx.Param)), jax.tree.leaves(nnx.state(loaded, nnx.Param))):
+        assert b.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-2, atol=1e-6)
 
 
 def test_forward_matches_reference(drafter, tmp_path):

@@ -11,7 +11,8 @@ from safetensors.numpy import load_file
 
 import retrace_jax as rj
 import train
-from retrace_jax.data import DataError, PrepareSettings, prepare_shards, read_prompts
+from retrace_jax.data import DataError, PrepareSettings, drop_long, prepare_shards, read_prompts
+from retrace_jax.trainer import load_config
 from tests.hf_models import make_hf_model, save_hf_model, save_word_tokenizer
 
 PROMPT_LINES = [
@@ -151,6 +152,17 @@ def test_prompt_files(tmp_path):
         read_prompts(str(odd))
     with pytest.raises(FileNotFoundError):
         read_prompts(str(tmp_path / "missing.jsonl"))
+
+
+def test_long_prompts_are_dropped_not_cut_and_paths_expand(tmp_path, monkeypatch):
+    ids = [[1] * n for n in (3, 9, 4, 12, 5, 2)]
+    assert drop_long(ids, 5) == ([[1] * 3, [1] * 4, [1] * 5, [1] * 2], 2)
+    assert drop_long(ids, 5, limit=2) == ([[1] * 3, [1] * 4], 2)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"target": "~/model", "data": {"prompts": "~/p.jsonl"}}))
+    cfg = load_config(str(config))
+    assert cfg["target"] == str(tmp_path / "model") and cfg["data"]["prompts"] == str(tmp_path / "p.jsonl")
 
 
 def test_bad_configs_fail_clearly_and_lose_nothing(workspace, dflash_run, tmp_path):

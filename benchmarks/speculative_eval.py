@@ -1,0 +1,250 @@
+"""τ and speed of trained drafters on a real target, per dataset, at T = 0 and T = 1 (the SmolLM2 experiment
+of docs/results.md; prompts that no training step saw).
+
+    python benchmarks/speculative_eval.py \\
+        --target ~/.cache/retrace_jax/models/smollm2-135m-instruct \\
+        --drafter A=runs/smollm2_dflash/drafter --drafter B=runs/smollm2_dflash_ft/drafter \\
+        --drafter C=runs/smollm2_retrace/drafter --out runs/smollm2_eval.json --plot docs/acceptance_lengths.png
+
+Datasets: the six Spec-Bench groups (MT-Bench's 80 questions, first turn, as one group; translation,
+summarization, qa, math_reasoning, rag) and HumanEval (``scripts/fetch_assets.py humaneval``), with
+``--per-dataset`` prompts spread evenly over each file. Prompts longer than ``--max-prompt-len`` tokens
+are skipped (and counted), never cut.
+
+- **τ** (mean acceptance length per round, the bonus token included) comes from batched runs: every
+  row of a batch decodes exactly as it would alone. Both conventions are reported: ``tau`` (mean of
+  per-prompt means) and ``tau_pooled`` (over all rounds). A ReTrace drafter is also run with its memory
+  off (``NAME-off``: ``use_retrace=False``), the ablation. At T = 0 every method's tokens are checked
+  against plain greedy decoding.
+- **Speed** comes from batch-1 runs of ``--speed-prompts`` prompts per dataset, each timed on a second
+  pass after compilation: tokens/s of plain and speculative decoding side by side in the same process,
+  and their ratio (the speedup).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import retrace_jax as rj  # noqa: E402
+from retrace_jax.data import chat_encoder, load_tokenizer  # noqa: E402
+
+MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+DEFAULT_SPEC_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data",
+                                  "spec_bench_questions.jsonl")
+DEFAULT_HUMANEVAL = os.path.join(os.path.expanduser("~"), ".cache", "retrace_jax", "data", "humaneval.jsonl")
+
+
+def read_datasets(spec_bench: str, humaneval: str) -> dict[str, list[str]]:
+    """Dataset name -> user messages, in file order."""
+    sets: dict[str, list[str]] = collections.defaultdict(list)
+    for path in (spec_bench, humaneval):
+        if not os.path.isfile(path):
+            raise SystemExit(f"prompt file not found: {path}" + (" (python scripts/fetch_assets.py humaneval)"
+                                                                 if path == humaneval else ""))
+    with open(spec_bench) as f:
+        for line in f:
+            r = json.loads(line)
+            sets["mt_bench" if r["category"] in MT_BENCH else r["category"]].append(r["turns"][0])
+    opener = gzip.open if humaneval.endswith(".gz") else open
+    with opener(humaneval, "rt") as f:
+        for line in f:
+            sets["humaneval"].append(json.loads(line)["prompt"])
+    return dict(sets)
+
+
+def pick(ids: list[list[int]], n: int, max_len: int) -> tuple[list[list[int]], int]:
+    """``n`` prompts spread evenly over the list, skipping those longer than ``max_len``."""
+    fitting = [p for p in ids if len(p) <= max_len]
+    if len(fitting) < n:
+        raise SystemExit(f"only {len(fitting)} prompts fit in {max_len} tokens, {n} asked")
+    chosen = [fitting[int(i)] for i in np.linspace(0, len(fitting) - 1, n).round()]
+    return chosen, len(ids) - len(fitting)
+
+
+def parse_drafters(items: list[str]) -> list[tuple[str, str]]:
+    out = []
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--drafter expects NAME=DIR, got {item!r}")
+        out.append((name, os.path.expanduser(path)))
+    return out
+
+
+def summarize(lengths: list[list[int]]) -> dict:
+    per_prompt = [np.mean(a) for a in lengths if a]
+    pooled = [x for a in lengths for x in a]
+    return {"tau": round(float(np.mean(per_prompt)), 4), "tau_pooled": round(float(np.mean(pooled)), 4),
+            "rounds": len(pooled), "prompts": len(per_prompt)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True)
+    p.add_argument("--drafter", action="append", default=[], help="NAME=DIR (repeatable)")
+    p.add_argument("--spec-bench", default=DEFAULT_SPEC_BENCH)
+    p.add_argument("--humaneval", default=DEFAULT_HUMANEVAL)
+    p.add_argument("--per-dataset", type=int, default=12, help="prompts per dataset for τ")
+    p.add_argument("--speed-prompts", type=int, default=1, help="prompts per dataset timed at batch 1")
+    p.add_argument("--speed-methods", default="plain,B,C", help="methods timed at batch 1 (comma separated)")
+    p.add_argument("--max-prompt-len", type=int, default=1024)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=64, help="rows per batched τ run")
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--plot", default=None, help="write the acceptance-length distribution (PNG) here")
+    args = p.parse_args(argv)
+
+    target = rj.load_target(os.path.expanduser(args.target))
+    tokenizer = load_tokenizer(os.path.expanduser(args.target))
+    encode = chat_encoder(tokenizer)
+    stops = [tokenizer.eos_token_id]
+    drafters = {name: rj.load_drafter(path, target) for name, path in parse_drafters(args.drafter)}
+    methods: dict[str, dict] = {"plain": {}}
+    for name, d in drafters.items():
+        methods[name] = {"drafter": d}
+        if d.cfg.retrace is not None:
+            methods[f"{name}-off"] = {"drafter": d, "use_retrace": False}
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+
+    datasets, skipped = {}, {}
+    for name, texts in read_datasets(args.spec_bench, args.humaneval).items():
+        ids = [encode([{"role": "user", "content": t}]) for t in texts]
+        datasets[name], skipped[name] = pick(ids, args.per_dataset, args.max_prompt_len)
+    # one flat list, sorted by length so each batch pads to a tight prompt bucket
+    rows = sorted(((len(ids), name, i) for name, ps in datasets.items() for i, ids in enumerate(ps)))
+    batches = [rows[i : i + args.batch_size] for i in range(0, len(rows), args.batch_size)]
+
+    result = {"target": args.target, "drafters": dict(parse_drafters(args.drafter)),
+              "per_dataset": args.per_dataset, "max_new_tokens": args.max_new_tokens,
+              "max_prompt_len": args.max_prompt_len, "skipped_too_long": skipped,
+              "prompt_tokens_mean": {n: round(float(np.mean([len(p) for p in ps])), 1) for n, ps in datasets.items()},
+              "tau": {}, "lengths": {}, "lossless_T0": {}, "speed": {}}
+    plain_tokens: dict[tuple[str, int], list[int]] = {}
+    for temp in temperatures:
+        key = f"T={temp:g}"
+        result["tau"][key], result["lengths"][key] = {}, {}
+        for method, kwargs in methods.items():
+            if method == "plain" and temp > 0:
+                continue  # plain τ is 1 by definition; plain tokens matter only for the greedy check
+            start = time.perf_counter()
+            per_set: dict[str, list[list[int]]] = collections.defaultdict(list)
+            mismatches = 0
+            for batch in batches:
+                prompts = [datasets[name][i] for _, name, i in batch]
+                out = rj.generate(target, prompts, args.max_new_tokens, temperature=temp, stop_token_ids=stops,
+                                  seed=0, **kwargs)
+                for (_, name, i), toks, lens in zip(batch, out.tokens, out.acceptance_lengths):
+                    per_set[name].append(lens)
+                    if temp == 0 and method == "plain":
+                        plain_tokens[(name, i)] = toks
+                    elif temp == 0:
+                        mismatches += toks != plain_tokens[(name, i)]
+            if method == "plain":
+                print(f"[{key}] plain: {time.perf_counter() - start:.0f} s", flush=True)
+                continue
+            if temp == 0:
+                result["lossless_T0"][method] = {"rows": len(rows), "differing_from_plain": int(mismatches)}
+            result["tau"][key][method] = {name: summarize(v) for name, v in per_set.items()}
+            result["tau"][key][method]["all"] = summarize([a for v in per_set.values() for a in v])
+            result["lengths"][key][method] = [x for v in per_set.values() for a in v for x in a]
+            print(f"[{key}] {method}: tau {result['tau'][key][method]['all']['tau']:.3f} "
+                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+
+    speed_methods = [m for m in args.speed_methods.split(",") if m in methods]
+    for temp in temperatures:
+        key = f"T={temp:g}"
+        timings: dict[str, dict[str, list[float]]] = {m: collections.defaultdict(lambda: [0.0, 0.0]) for m in speed_methods}
+        for name, ps in datasets.items():
+            for ids in ps[: args.speed_prompts]:
+                for method in speed_methods:
+                    run = lambda: rj.generate(target, [ids], args.max_new_tokens, temperature=temp,  # noqa: E731
+                                              stop_token_ids=stops, seed=0, **methods[method])
+                    run()  # compiles (or reuses) the program of this bucket
+                    start = time.perf_counter()
+                    out = run()
+                    timings[method][name][0] += len(out.tokens[0])
+                    timings[method][name][1] += time.perf_counter() - start
+        speed = {}
+        for method in speed_methods:
+            speed[method] = {name: round(t / s, 2) for name, (t, s) in timings[method].items()}
+            tot = np.sum(list(timings[method].values()), axis=0)
+            speed[method]["all"] = round(float(tot[0] / tot[1]), 2)
+        result["speed"][key] = speed
+        print(f"[{key}] speed done", flush=True)
+
+    print_tables(result)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        plot_lengths(result, args.plot)
+
+
+def print_tables(result: dict) -> None:
+    for key, by_method in result["tau"].items():
+        methods = list(by_method)
+        sets = list(next(iter(by_method.values())))
+        print(f"\nτ at {key} (mean of per-prompt means / pooled over rounds), {result['per_dataset']} prompts per set")
+        print("| dataset | " + " | ".join(methods) + " |")
+        print("|---|" + "---|" * len(methods))
+        for s in sets:
+            cells = [f"{by_method[m][s]['tau']:.2f} / {by_method[m][s]['tau_pooled']:.2f}" for m in methods]
+            print(f"| {s} | " + " | ".join(cells) + " |")
+    for key, by_method in result["speed"].items():
+        if "plain" not in by_method:
+            continue
+        plain = by_method["plain"]
+        print(f"\nbatch-1 tokens/s at {key} (speedup over plain)")
+        methods = list(by_method)
+        print("| dataset | " + " | ".join(methods) + " |")
+        print("|---|" + "---|" * len(methods))
+        for s in plain:
+            cells = [f"{by_method[m][s]:.1f}" + ("" if m == "plain" else f" ({by_method[m][s] / plain[s]:.2f}x)")
+                     for m in methods]
+            print(f"| {s} | " + " | ".join(cells) + " |")
+    if result["lossless_T0"]:
+        print("\ngreedy outputs differing from plain decoding:",
+              {m: f"{v['differing_from_plain']}/{v['rows']}" for m, v in result["lossless_T0"].items()})
+
+
+def plot_lengths(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(result["lengths"])
+    fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 3.6), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        methods = list(result["lengths"][key])
+        top = max(max(v) for v in result["lengths"][key].values())
+        width = 0.8 / len(methods)
+        for j, m in enumerate(methods):
+            counts = np.bincount(result["lengths"][key][m], minlength=top + 1)[1:]
+            ax.bar(np.arange(1, top + 1) + (j - (len(methods) - 1) / 2) * width, counts / counts.sum(), width,
+                   label=f"{m} (τ {np.mean(result['lengths'][key][m]):.2f})")
+        ax.set_xlabel("tokens committed per round (accepted + 1)")
+        ax.set_ylabel("fraction of rounds")
+        ax.set_title(f"acceptance length, {key}, all datasets")
+        ax.set_xticks(range(1, top + 1))
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
