@@ -61,10 +61,12 @@ def main(argv=None):
     if args.drafter and not args.target:
         raise SystemExit("--drafter needs --target (the model it was trained for)")
     if not args.target or args.target == DEMO_MODEL:
-        print(f"Demo: {DEMO_MODEL} as the target with the ReTrace drafter shipped in retrace_jax/drafters "
-              f"(pass --target DIR [--drafter DIR] for other models, --target tiny for a smoke run).\n", flush=True)
+        if not args.drafter:
+            print(f"Demo: {DEMO_MODEL} as the target with the ReTrace drafter shipped in retrace_jax/drafters "
+                  f"(pass --target DIR [--drafter DIR] for other models, --target tiny for a smoke run).\n",
+                  flush=True)
+            args.drafter = rj.assets.shipped_drafter(DEMO_MODEL)
         args.target = rj.assets.fetch(DEMO_MODEL)
-        args.drafter = args.drafter or rj.assets.shipped_drafter(DEMO_MODEL)
     if args.target == "tiny":
         target, tokenizer = tiny_target(), None
         ids = byte_encoder(target.cfg.vocab_size)([{"role": "user", "content": args.prompt}])

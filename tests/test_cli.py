@@ -26,6 +26,11 @@ def test_train_then_decode_tiny(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     table = [line for line in lines if line.startswith(("plain ", "dflash "))]
     assert len(table) == 2 and all(line.endswith("yes") for line in table)
+    decode.main(["--target", "tiny", "--max-new-tokens", "12"])  # the smoke run: a random drafter
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("A smoke run")
+    table = [line for line in lines if line.startswith(("plain ", "dflash "))]
+    assert len(table) == 2 and all(line.endswith("yes") for line in table)
 
 
 def test_train_config_errors(tmp_path):
