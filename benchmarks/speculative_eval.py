@@ -4,7 +4,8 @@ of docs/results.md; prompts that no training step saw).
     python benchmarks/speculative_eval.py \\
         --target ~/.cache/retrace_jax/models/smollm2-135m-instruct \\
         --drafter A=runs/smollm2_dflash/drafter --drafter B=runs/smollm2_dflash_ft/drafter \\
-        --drafter C=runs/smollm2_retrace/drafter --out runs/smollm2_eval.json --plot docs/acceptance_lengths.png
+        --drafter C=runs/smollm2_retrace/drafter --per-dataset 8 --batch-size 32 --max-new-tokens 96 \
+    --sampled-methods B,C,C-off --speed-temperatures 0,1 --out runs/smollm2_eval.json --plot docs/acceptance_lengths.png
 
 Datasets: the six Spec-Bench groups (MT-Bench's 80 questions, first turn, as one group; translation,
 summarization, qa, math_reasoning, rag) and HumanEval (``scripts/fetch_assets.py humaneval``), with
@@ -101,6 +102,9 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=64, help="rows per batched τ run")
     p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--sampled-methods", default=None,
+                   help="methods run at T > 0 (comma separated; default: all)")
+    p.add_argument("--speed-temperatures", default="0", help="temperatures of the batch-1 speed runs")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--plot", default=None, help="write the acceptance-length distribution (PNG) here")
     args = p.parse_args(argv)
@@ -137,6 +141,8 @@ def main(argv=None):
         for method, kwargs in methods.items():
             if method == "plain" and temp > 0:
                 continue  # plain τ is 1 by definition; plain tokens matter only for the greedy check
+            if temp > 0 and args.sampled_methods and method not in args.sampled_methods.split(","):
+                continue
             start = time.perf_counter()
             per_set: dict[str, list[list[int]]] = collections.defaultdict(list)
             mismatches = 0
@@ -160,9 +166,10 @@ def main(argv=None):
             result["lengths"][key][method] = [x for v in per_set.values() for a in v for x in a]
             print(f"[{key}] {method}: tau {result['tau'][key][method]['all']['tau']:.3f} "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)
+            save(result, args.out)  # after every run: an interrupted evaluation keeps what it measured
 
     speed_methods = [m for m in args.speed_methods.split(",") if m in methods]
-    for temp in temperatures:
+    for temp in [float(t) for t in args.speed_temperatures.split(",") if t]:
         key = f"T={temp:g}"
         timings: dict[str, dict[str, list[float]]] = {m: collections.defaultdict(lambda: [0.0, 0.0]) for m in speed_methods}
         for name, ps in datasets.items():
@@ -182,14 +189,19 @@ def main(argv=None):
             speed[method]["all"] = round(float(tot[0] / tot[1]), 2)
         result["speed"][key] = speed
         print(f"[{key}] speed done", flush=True)
+        save(result, args.out)
 
     print_tables(result)
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
     if args.plot:
         plot_lengths(result, args.plot)
+
+
+def save(result: dict, out: str | None) -> None:
+    if out:
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out + ".tmp", "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(out + ".tmp", out)
 
 
 def print_tables(result: dict) -> None:

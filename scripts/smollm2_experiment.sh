@@ -10,6 +10,7 @@ python train.py --config configs/smollm2_retrace.yaml      # C: A + K steps of R
 python train.py --config configs/smollm2_dflash_ft.yaml    # B: A + the same K steps of DFlash
 python benchmarks/speculative_eval.py --target ~/.cache/retrace_jax/models/smollm2-135m-instruct \
     --drafter A=runs/smollm2_dflash/drafter --drafter B=runs/smollm2_dflash_ft/drafter \
-    --drafter C=runs/smollm2_retrace/drafter --out runs/smollm2_eval.json --plot docs/acceptance_lengths.png
+    --drafter C=runs/smollm2_retrace/drafter --per-dataset 8 --batch-size 32 --max-new-tokens 96 \
+    --sampled-methods B,C,C-off --speed-temperatures 0,1 --out runs/smollm2_eval.json --plot docs/acceptance_lengths.png
 python benchmarks/round_latency.py --target ~/.cache/retrace_jax/models/smollm2-135m-instruct \
     --drafter runs/smollm2_retrace/drafter --context 128 --iters 100 --out runs/smollm2_round_latency.json
