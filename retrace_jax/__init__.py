@@ -1,5 +1,6 @@
 """retrace-jax: lossless speculative decoding (DFlash + ReTrace) as one compiled XLA program."""
 
+from retrace_jax.compile_cache import enable_compilation_cache
 from retrace_jax.config import ConfigError, ModelConfig
 from retrace_jax.drafter import DFlashDrafter, DrafterConfig, init_drafter
 from retrace_jax.retrace import ReTraceConfig
@@ -15,6 +16,7 @@ __all__ = [
     "ModelConfig",
     "ReTraceConfig",
     "TargetModel",
+    "enable_compilation_cache",
     "init_drafter",
     "load_drafter",
     "make_mesh",
