@@ -11,6 +11,8 @@ import json
 import os
 from typing import Any
 
+from retrace_jax.layers import BlockSpec
+
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 
 
@@ -38,6 +40,12 @@ class ModelConfig:
     o_bias: bool  # Qwen3/Llama: attention_bias; Qwen2: never
     mlp_bias: bool  # Llama's mlp_bias
     qk_norm: bool  # Qwen3 only
+
+    @property
+    def block_spec(self) -> BlockSpec:
+        return BlockSpec(self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim,
+                         self.rope_theta, self.rms_norm_eps, qkv_bias=self.qkv_bias, o_bias=self.o_bias,
+                         mlp_bias=self.mlp_bias, qk_norm=self.qk_norm)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:

@@ -9,8 +9,9 @@ import jax
 import numpy as np
 from flax import nnx
 
+from retrace_jax.attention import IMPLEMENTATIONS
 from retrace_jax.drafter import DFlashDrafter
-from retrace_jax.hf_io import check_drafter_matches, shard_model
+from retrace_jax.hf_io import check_drafter_matches, resolve_dtype, shard_model
 from retrace_jax.plain_loop import plain_generate
 from retrace_jax.sampling import SamplingMode, SamplingParams
 from retrace_jax.sharding import axis_size, batch_sharding
@@ -57,6 +58,8 @@ def generate(
     use_retrace: bool = True,
     draft_rule: str = "argmax",
     mesh=None,
+    cache_dtype=None,
+    attention: str = "auto",
 ) -> GenerateOutput:
     """Generates up to ``max_new_tokens`` for each prompt (token ids) in one compiled program.
 
@@ -75,8 +78,15 @@ def generate(
     over the tensor axis; the batch is padded to a multiple of the data axis. The batch, prompt length,
     ``max_new_tokens`` and stop list are padded to buckets, so calls whose sizes fall into the same
     buckets reuse the compiled program.
+
+    ``cache_dtype`` ("float32" or "bfloat16"; default: the target's dtype) stores both KV caches in that
+    type. ``attention`` chooses the attention implementation ("auto", "chunked" or "dense"; see
+    ``retrace_jax/attention.py``): the default walks the caches only up to the filled length.
     """
     mode = _sampling_mode(temperature, top_k, top_p, draft_rule)
+    if attention not in IMPLEMENTATIONS:
+        raise ValueError(f"attention must be one of {IMPLEMENTATIONS}, got {attention!r}")
+    cache_dtype = None if cache_dtype is None else resolve_dtype(cache_dtype)
     if int(seed) != seed or not 0 <= seed < 2**32:
         raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
     sampling = SamplingParams.make(temperature, top_k, top_p, seed)
@@ -96,7 +106,7 @@ def generate(
     max_new = np.int32(max_new_tokens)
     if drafter is None:
         buf = plain_generate(target_def, target_state, tokens, lens, live, max_new, stops, sampling,
-                             capacity=capacity, mode=mode, mesh=mesh)
+                             capacity=capacity, mode=mode, mesh=mesh, cache_dtype=cache_dtype, attention=attention)
         out_tokens, num = jax.device_get((buf.tokens, buf.num))
         new = [out_tokens[b, : num[b]].tolist() for b in range(batch)]
         return GenerateOutput(tokens=new, acceptance_lengths=[[1] * len(t) for t in new])
@@ -109,6 +119,7 @@ def generate(
     buf, accept, rounds = speculative_generate(
         target_def, target_state, drafter_def, drafter_state, tokens, lens, live, max_new, stops, sampling,
         capacity=capacity, block_size=block_size, use_retrace=bool(use_retrace), mode=mode, mesh=mesh,
+        cache_dtype=cache_dtype, attention=attention,
     )
     out_tokens, num, accept, rounds = jax.device_get((buf.tokens, buf.num, accept, rounds))
     return GenerateOutput(

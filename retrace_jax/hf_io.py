@@ -37,23 +37,30 @@ class CheckpointError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class WeightSpec:
     """One tensor: its Hugging Face name, its NNX state path, whether it is stored ``[out, in]``, and the
-    logical axes of the parameter's dimensions (for sharding; see ``sharding.LOGICAL_RULES``)."""
+    logical axes of its dimensions (for sharding; see ``sharding.LOGICAL_RULES``). ``layer`` is set for
+    one layer's slice of a parameter stacked over layers (the target's decoder blocks)."""
 
     hf_name: str
     path: tuple
     transpose: bool = False
     axes: tuple = (None,)
+    layer: int | None = None
+
+    @property
+    def param_axes(self) -> tuple:
+        """The logical axes of the whole parameter (a stacked one has a leading, unsharded layer axis)."""
+        return self.axes if self.layer is None else (None,) + tuple(self.axes)
 
     def convert(self, array: np.ndarray) -> np.ndarray:
         """Checkpoint layout <-> parameter layout (the same operation both ways)."""
         return array.T if self.transpose else array
 
 
-def linear_specs(hf_prefix: str, path: tuple, bias: bool, axes=(None, None)) -> list[WeightSpec]:
+def linear_specs(hf_prefix: str, path: tuple, bias: bool, axes=(None, None), layer=None) -> list[WeightSpec]:
     """A dense layer; ``axes`` are the logical axes of its ``[in, out]`` kernel."""
-    specs = [WeightSpec(f"{hf_prefix}.weight", path + ("kernel",), transpose=True, axes=tuple(axes))]
+    specs = [WeightSpec(f"{hf_prefix}.weight", path + ("kernel",), transpose=True, axes=tuple(axes), layer=layer)]
     if bias:
-        specs.append(WeightSpec(f"{hf_prefix}.bias", path + ("bias",), axes=(axes[1],)))
+        specs.append(WeightSpec(f"{hf_prefix}.bias", path + ("bias",), axes=(axes[1],), layer=layer))
     return specs
 
 
@@ -62,27 +69,35 @@ QKVO_AXES = {"q_proj": ("embed", "heads"), "k_proj": ("embed", "kv_heads"), "v_p
 MLP_AXES = {"gate_proj": ("embed", "mlp"), "up_proj": ("embed", "mlp"), "down_proj": ("mlp", "embed")}
 
 
-def norm_spec(hf_prefix: str, path: tuple) -> WeightSpec:
-    return WeightSpec(f"{hf_prefix}.weight", path + ("weight",))
+def norm_spec(hf_prefix: str, path: tuple, layer=None) -> WeightSpec:
+    return WeightSpec(f"{hf_prefix}.weight", path + ("weight",), layer=layer)
 
 
-def mlp_specs(hf_prefix: str, path: tuple, bias: bool) -> list[WeightSpec]:
-    return [s for name, axes in MLP_AXES.items() for s in linear_specs(f"{hf_prefix}.{name}", path + (name,), bias, axes)]
+def mlp_specs(hf_prefix: str, path: tuple, bias: bool, layer=None) -> list[WeightSpec]:
+    return [s for name, axes in MLP_AXES.items()
+            for s in linear_specs(f"{hf_prefix}.{name}", path + (name,), bias, axes, layer)]
+
+
+def block_specs(hf: str, path: tuple, qkv_bias: bool, o_bias: bool, mlp_bias: bool, qk_norm: bool,
+                layer=None) -> list[WeightSpec]:
+    """One decoder block (``layers.DecoderBlock``), target and drafter alike."""
+    specs = [norm_spec(f"{hf}.input_layernorm", path + ("input_layernorm",), layer),
+             norm_spec(f"{hf}.post_attention_layernorm", path + ("post_attention_layernorm",), layer)]
+    for name, axes in QKVO_AXES.items():
+        bias = o_bias if name == "o_proj" else qkv_bias
+        specs += linear_specs(f"{hf}.self_attn.{name}", path + ("self_attn", name), bias, axes, layer)
+    if qk_norm:
+        specs.append(norm_spec(f"{hf}.self_attn.q_norm", path + ("self_attn", "q_norm"), layer))
+        specs.append(norm_spec(f"{hf}.self_attn.k_norm", path + ("self_attn", "k_norm"), layer))
+    return specs + mlp_specs(f"{hf}.mlp", path + ("mlp",), mlp_bias, layer)
 
 
 def target_specs(cfg: ModelConfig) -> list[WeightSpec]:
+    """The target's tensors; layer ``i``'s tensors are slice ``i`` of the stacked block parameters."""
     specs = [WeightSpec("model.embed_tokens.weight", ("embed_tokens", "embedding"), axes=("vocab", "embed"))]
     for i in range(cfg.num_layers):
-        hf, p = f"model.layers.{i}", ("layers", i)
-        specs.append(norm_spec(f"{hf}.input_layernorm", p + ("input_layernorm",)))
-        specs.append(norm_spec(f"{hf}.post_attention_layernorm", p + ("post_attention_layernorm",)))
-        for name, axes in QKVO_AXES.items():
-            bias = cfg.o_bias if name == "o_proj" else cfg.qkv_bias
-            specs += linear_specs(f"{hf}.self_attn.{name}", p + ("self_attn", name), bias, axes)
-        if cfg.qk_norm:
-            specs.append(norm_spec(f"{hf}.self_attn.q_norm", p + ("self_attn", "q_norm")))
-            specs.append(norm_spec(f"{hf}.self_attn.k_norm", p + ("self_attn", "k_norm")))
-        specs += mlp_specs(f"{hf}.mlp", p + ("mlp",), cfg.mlp_bias)
+        specs += block_specs(f"model.layers.{i}", ("layers",), cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias, cfg.qk_norm,
+                             layer=i)
     specs.append(norm_spec("model.norm", ("norm",)))
     if not cfg.tie_word_embeddings:
         specs += linear_specs("lm_head", ("lm_head",), False, ("embed", "vocab"))
@@ -94,14 +109,7 @@ def drafter_specs(cfg: DrafterConfig) -> list[WeightSpec]:
     specs = [WeightSpec("fc.weight", ("fc", "kernel"), transpose=True, axes=(None, "embed")),
              norm_spec("hidden_norm", ("hidden_norm",)), norm_spec("norm", ("norm",))]
     for i in range(cfg.num_layers):
-        hf, p = f"layers.{i}", ("layers", i)
-        specs.append(norm_spec(f"{hf}.input_layernorm", p + ("input_layernorm",)))
-        specs.append(norm_spec(f"{hf}.post_attention_layernorm", p + ("post_attention_layernorm",)))
-        for name, axes in QKVO_AXES.items():
-            specs += linear_specs(f"{hf}.self_attn.{name}", p + ("self_attn", name), cfg.attention_bias, axes)
-        specs.append(norm_spec(f"{hf}.self_attn.q_norm", p + ("self_attn", "q_norm")))
-        specs.append(norm_spec(f"{hf}.self_attn.k_norm", p + ("self_attn", "k_norm")))
-        specs += mlp_specs(f"{hf}.mlp", p + ("mlp",), False)
+        specs += block_specs(f"layers.{i}", ("layers", i), cfg.attention_bias, cfg.attention_bias, False, True)
     return specs
 
 
@@ -177,26 +185,41 @@ def load_into(module: nnx.Module, specs: list[WeightSpec], reader: TensorReader,
         )
     graphdef, state = nnx.split(module)
     flat = dict(nnx.to_flat_state(state))
+    groups: dict[tuple, list[WeightSpec]] = {}
     for spec in specs:
-        stored = aliases[spec.hf_name]
-        expected = tuple(flat[spec.path].get_value().shape)
-        hf_expected = expected[::-1] if spec.transpose else expected
-        if reader.shape(stored) != hf_expected:
-            raise CheckpointError(
-                f"tensor {spec.hf_name} has shape {reader.shape(stored)}, the config implies {hf_expected}"
-            )
-        if mesh is None:
-            value = jnp.asarray(spec.convert(reader.get(stored)), dtype=dtype)
-        else:
-            def read_shard(index, spec=spec, stored=stored):
-                hf_index = tuple(index[::-1]) if spec.transpose else tuple(index)
-                return np.asarray(spec.convert(reader.get(stored, hf_index)), dtype=dtype)
+        groups.setdefault(spec.path, []).append(spec)
+    for path, group in groups.items():
+        expected = tuple(flat[path].get_value().shape)
+        stacked = group[0].layer is not None
+        if stacked:
+            group = sorted(group, key=lambda s: s.layer)
+            if [s.layer for s in group] != list(range(expected[0])):
+                raise AssertionError(f"stacked parameter {path} has {expected[0]} layers, specs {len(group)}")
+        for spec in group:
+            one = expected[1:] if stacked else expected
+            hf_expected = one[::-1] if spec.transpose else one
+            if reader.shape(aliases[spec.hf_name]) != hf_expected:
+                raise CheckpointError(f"tensor {spec.hf_name} has shape {reader.shape(aliases[spec.hf_name])}, "
+                                      f"the config implies {hf_expected}")
 
-            value = jax.make_array_from_callback(expected, named_sharding(spec.axes, expected, mesh), read_shard)
-        flat[spec.path].set_value(value)
+        def read(spec, index=None):
+            hf_index = None if index is None else (tuple(index[::-1]) if spec.transpose else tuple(index))
+            return np.asarray(spec.convert(reader.get(aliases[spec.hf_name], hf_index)), dtype=dtype)
+
+        def read_shard(index, group=group, stacked=stacked):
+            if not stacked:
+                return read(group[0], index)
+            return np.stack([read(group[i], index[1:]) for i in range(len(group))[index[0]]])
+
+        if mesh is None:
+            value = jnp.asarray(read_shard((slice(None),) * len(expected)))
+        else:
+            value = jax.make_array_from_callback(expected, named_sharding(group[0].param_axes, expected, mesh),
+                                                 read_shard)
+        flat[path].set_value(value)
     for path, value in (fresh or {}).items():
         flat[path].set_value(value if mesh is None else jax.device_put(value, NamedSharding(mesh, PartitionSpec())))
-    covered = {s.path for s in specs} | set(fresh or {})
+    covered = set(groups) | set(fresh or {})
     left = [p for p in flat if p not in covered]
     if left:
         raise AssertionError(f"parameters with no checkpoint tensor: {left}")
@@ -206,11 +229,22 @@ def load_into(module: nnx.Module, specs: list[WeightSpec], reader: TensorReader,
 def export_tensors(module: nnx.Module, specs: list[WeightSpec]) -> dict[str, np.ndarray]:
     """The module's parameters as Hugging Face named ``[out, in]`` arrays."""
     flat = dict(nnx.to_flat_state(nnx.state(module, nnx.Param)))
-    return {s.hf_name: np.ascontiguousarray(s.convert(np.asarray(jax.device_get(flat[s.path].get_value()))))
-            for s in specs}
+    out = {}
+    for s in specs:
+        value = np.asarray(jax.device_get(flat[s.path].get_value()))
+        out[s.hf_name] = np.ascontiguousarray(s.convert(value if s.layer is None else value[s.layer]))
+    return out
+
+
+def default_dtype() -> jnp.dtype:
+    """bfloat16 on accelerators (GPU, TPU), float32 on CPU (the parity dtype)."""
+    return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
 
 
 def resolve_dtype(dtype) -> jnp.dtype:
+    """``"float32"`` or ``"bfloat16"``; ``None`` or ``"auto"`` is :func:`default_dtype`."""
+    if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
+        return default_dtype()
     name = jnp.dtype(dtype).name
     if name not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
@@ -222,9 +256,10 @@ def abstract_module(factory):
     return nnx.eval_shape(factory)
 
 
-def load_target(path: str, dtype="float32", *, mesh: Mesh | None = None) -> TargetModel:
+def load_target(path: str, dtype=None, *, mesh: Mesh | None = None) -> TargetModel:
     """Loads a Qwen3 / Qwen2 / Llama checkpoint from a Hugging Face directory (sharded over ``mesh``
-    by the logical-axis rules when one is given)."""
+    by the logical-axis rules when one is given). ``dtype``: "float32", "bfloat16" or None (bfloat16 on
+    GPU and TPU, float32 on CPU)."""
     dtype = resolve_dtype(dtype)
     cfg = ModelConfig.from_hf(read_config_json(path))
     check_divisible("target", cfg.num_heads, cfg.num_kv_heads, mesh)
@@ -255,16 +290,16 @@ def check_drafter_matches(cfg: DrafterConfig, target_cfg: ModelConfig) -> None:
         raise ConfigError("drafter does not match the target: " + "; ".join(problems))
 
 
-def load_drafter(path: str, target: TargetModel, dtype="float32", *, retrace: bool | ReTraceConfig | None = None,
+def load_drafter(path: str, target: TargetModel, dtype=None, *, retrace: bool | ReTraceConfig | None = None,
                  seed: int = 0, mesh: Mesh | None = None) -> DFlashDrafter:
     """Loads a drafter in the official DFlash layout (a ``model.`` prefix is accepted) for ``target``.
 
     A checkpoint whose config has ``retrace_config`` loads as a ReTrace drafter. ``retrace=True`` turns
     a plain DFlash checkpoint into a ReTrace drafter whose new module starts at zero (``W_v = 0``, so it
     drafts exactly as before; a ``ReTraceConfig`` chooses its options); ``retrace=False`` loads only the
-    DFlash part of a ReTrace checkpoint.
+    DFlash part of a ReTrace checkpoint. ``dtype`` defaults to the target's.
     """
-    dtype = resolve_dtype(dtype)
+    dtype = resolve_dtype(target.dtype if dtype is None else dtype)
     stored = DrafterConfig.from_hf(read_config_json(path))
     cfg = stored
     if isinstance(retrace, ReTraceConfig) and stored.retrace not in (None, retrace):
@@ -300,7 +335,7 @@ def shard_model(module, mesh: Mesh):
     """Places an in-memory target or drafter on ``mesh`` by the logical-axis rules."""
     cfg = module.cfg
     check_divisible(type(module).__name__, cfg.num_heads, cfg.num_kv_heads, mesh)
-    axes = {s.path: s.axes for s in model_specs(module)}
+    axes = {s.path: s.param_axes for s in model_specs(module)}
     graphdef, state = nnx.split(module)
     flat = dict(nnx.to_flat_state(state))
     for path, var in flat.items():
