@@ -16,7 +16,7 @@ from retrace_jax.plain_loop import plain_generate
 from retrace_jax.sampling import SamplingMode, SamplingParams
 from retrace_jax.sharding import axis_size, batch_sharding
 from retrace_jax.speculative_loop import speculative_generate
-from retrace_jax.target import TargetModel
+from retrace_jax.target import TargetModel, resolve_layer_loop
 
 MIN_BUCKET = 16
 STOP_BUCKET = 8
@@ -60,6 +60,7 @@ def generate(
     mesh=None,
     cache_dtype=None,
     attention: str = "auto",
+    layer_loop: str = "auto",
 ) -> GenerateOutput:
     """Generates up to ``max_new_tokens`` for each prompt (token ids) in one compiled program.
 
@@ -82,10 +83,15 @@ def generate(
     ``cache_dtype`` ("float32" or "bfloat16"; default: the target's dtype) stores both KV caches in that
     type. ``attention`` chooses the attention implementation ("auto", "chunked" or "dense"; see
     ``retrace_jax/attention.py``): the default walks the caches only up to the filled length.
+    ``layer_loop`` runs the target's layers with one ``lax.scan`` ("scan": compile time independent of
+    depth) or as a Python loop over per-layer weight slices made once ("unrolled": faster steps on CPU,
+    where a scan copies each layer's weights at every step; compile time grows with depth); "auto" is
+    "unrolled" on CPU and "scan" on accelerators.
     """
     mode = _sampling_mode(temperature, top_k, top_p, draft_rule)
     if attention not in IMPLEMENTATIONS:
         raise ValueError(f"attention must be one of {IMPLEMENTATIONS}, got {attention!r}")
+    layer_loop = resolve_layer_loop(layer_loop)
     cache_dtype = None if cache_dtype is None else resolve_dtype(cache_dtype)
     if int(seed) != seed or not 0 <= seed < 2**32:
         raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
@@ -106,7 +112,8 @@ def generate(
     max_new = np.int32(max_new_tokens)
     if drafter is None:
         buf = plain_generate(target_def, target_state, tokens, lens, live, max_new, stops, sampling,
-                             capacity=capacity, mode=mode, mesh=mesh, cache_dtype=cache_dtype, attention=attention)
+                             capacity=capacity, mode=mode, mesh=mesh, cache_dtype=cache_dtype, attention=attention,
+                             layer_loop=layer_loop)
         out_tokens, num = jax.device_get((buf.tokens, buf.num))
         new = [out_tokens[b, : num[b]].tolist() for b in range(batch)]
         return GenerateOutput(tokens=new, acceptance_lengths=[[1] * len(t) for t in new])
@@ -119,7 +126,7 @@ def generate(
     buf, accept, rounds = speculative_generate(
         target_def, target_state, drafter_def, drafter_state, tokens, lens, live, max_new, stops, sampling,
         capacity=capacity, block_size=block_size, use_retrace=bool(use_retrace), mode=mode, mesh=mesh,
-        cache_dtype=cache_dtype, attention=attention,
+        cache_dtype=cache_dtype, attention=attention, layer_loop=layer_loop,
     )
     out_tokens, num, accept, rounds = jax.device_get((buf.tokens, buf.num, accept, rounds))
     return GenerateOutput(

@@ -15,7 +15,7 @@ from flax import nnx, struct
 from retrace_jax.commit import OutputBuffer, commit
 from retrace_jax.kv_cache import KVCache
 from retrace_jax.sampling import SamplingMode, SamplingParams, row_keys, step_keys
-from retrace_jax.target import prefill
+from retrace_jax.target import merge_target, prefill
 
 
 @struct.dataclass
@@ -60,17 +60,18 @@ def plain_step(model, consts: StepConstants, c: PlainCarry) -> PlainCarry:
     return PlainCarry(out.cache.replace(lengths=lengths).constrain(consts.mesh), buf, next_b)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "capacity", "mode", "mesh", "cache_dtype", "attention"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "capacity", "mode", "mesh", "cache_dtype", "attention",
+                                           "layer_loop"))
 def plain_generate(graphdef, state, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids,
                    sampling: SamplingParams, *, capacity, mode: SamplingMode = SamplingMode(), mesh=None,
-                   cache_dtype=None, attention="auto"):
+                   cache_dtype=None, attention="auto", layer_loop="auto"):
     """Greedy or sampled decoding of a right-padded batch; rows with ``live_b`` False are padding.
 
     Row ``b`` draws its ``n``-th token with ``fold_in(fold_in(PRNGKey(seed), b), n)``. With a ``mesh``
     the cache is sharded (batch over data, KV heads over tensor) like the parameters.
     Returns the output buffer (``capacity`` >= ``max_new`` slots per row).
     """
-    model = nnx.merge(graphdef, state)
+    model = merge_target(graphdef, state, layer_loop)
     consts, init = plain_init(model, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampling,
                               capacity=capacity, mode=mode, mesh=mesh, cache_dtype=cache_dtype, attention=attention)
     final = jax.lax.while_loop(lambda c: ~jnp.all(c.buf.done), lambda c: plain_step(model, consts, c), init)

@@ -25,7 +25,7 @@ from retrace_jax.commit import OutputBuffer, commit
 from retrace_jax.kv_cache import KVCache
 from retrace_jax.retrace import Memory, shift_memory
 from retrace_jax.sampling import SamplingMode, SamplingParams, row_keys, step_keys
-from retrace_jax.target import prefill
+from retrace_jax.target import merge_target, prefill
 from retrace_jax.verify import accepted_count, committed_tokens, rejection_sample
 
 
@@ -168,20 +168,21 @@ def speculative_round(models, consts: RoundConstants, c: SpecCarry) -> tuple[Spe
 @functools.partial(
     jax.jit,
     static_argnames=("target_def", "drafter_def", "capacity", "block_size", "use_retrace", "mode", "mesh",
-                     "cache_dtype", "attention"),
+                     "cache_dtype", "attention", "layer_loop"),
 )
 def speculative_generate(target_def, target_state, drafter_def, drafter_state, tokens_bp, prompt_lens_b,
                          live_b, max_new, stop_ids, sampling: SamplingParams, *, capacity, block_size,
                          use_retrace=True, mode: SamplingMode = SamplingMode(), mesh=None, cache_dtype=None,
-                         attention="auto"):
+                         attention="auto", layer_loop="auto"):
     """Speculative decoding of a right-padded batch, greedy or by rejection sampling; row ``b`` uses key
     ``fold_in(PRNGKey(seed), b)`` folded with its step (0 for prefill, round + 1 after).
 
     A ReTrace drafter carries its rejected-suffix memory from round to round unless ``use_retrace`` is
     False. With a ``mesh`` both caches are sharded (batch over data, KV heads over tensor). Returns the
-    output buffer, the acceptance lengths ``[B, capacity]`` and the rounds per row.
+    output buffer, the acceptance lengths ``[B, capacity]`` and the rounds per row. ``layer_loop``:
+    "scan" or "unrolled" (see ``TargetModel.unroll_layers``).
     """
-    models = (nnx.merge(target_def, target_state), nnx.merge(drafter_def, drafter_state))
+    models = (merge_target(target_def, target_state, layer_loop), nnx.merge(drafter_def, drafter_state))
     consts, init = speculative_init(models, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampling,
                                     capacity=capacity, block_size=block_size, use_retrace=use_retrace, mode=mode,
                                     mesh=mesh, cache_dtype=cache_dtype, attention=attention)
@@ -195,7 +196,8 @@ class SpeculativeStepper:
     and returns its :class:`RoundInfo`; ``done`` says when every row has finished. The rounds are
     exactly those of :func:`speculative_generate` (same function), so the outputs are identical."""
 
-    def __init__(self, target, drafter, **static):
+    def __init__(self, target, drafter, layer_loop: str = "auto", **static):
+        self._layer_loop = layer_loop
         self._defs = (nnx.graphdef(target), nnx.graphdef(drafter))
         self._states = (nnx.state(target), nnx.state(drafter))
         self._static = static
@@ -210,7 +212,7 @@ class SpeculativeStepper:
         self._init, self._step = jax.jit(init), jax.jit(step)
 
     def _models(self, states):
-        return tuple(nnx.merge(d, s) for d, s in zip(self._defs, states))
+        return (merge_target(self._defs[0], states[0], self._layer_loop), nnx.merge(self._defs[1], states[1]))
 
     def init(self, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampling: SamplingParams) -> SpecCarry:
         self.consts, self.carry = self._init(self._states, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids,

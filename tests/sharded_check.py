@@ -53,12 +53,12 @@ def main(workdir):
         d = rj.load_drafter(dflash_dir, t, mesh=mesh)
         r = rj.load_drafter(retrace_dir, t, mesh=mesh)
         tensor, fsdp = mesh.shape["tensor"], mesh.shape["fsdp"]
-        q = t.layers[0].self_attn.q_proj.kernel[...]
-        want_q = P("fsdp" if fsdp > 1 else None, "tensor" if tensor > 1 else None)
+        q = t.layers.self_attn.q_proj.kernel[...]  # [layers, d, heads * head_dim], stacked
+        want_q = P(None, "fsdp" if fsdp > 1 else None, "tensor" if tensor > 1 else None)
         assert q.sharding.spec == want_q, (spec, q.sharding.spec)
         assert len(q.addressable_shards) == 8
         if tensor > 1:
-            assert q.addressable_shards[0].data.shape[1] == q.shape[1] // tensor
+            assert q.addressable_shards[0].data.shape[2] == q.shape[2] // tensor
         o = d.layers[0].self_attn.o_proj.kernel[...]
         assert o.sharding.spec == P("tensor" if tensor > 1 else None, "fsdp" if fsdp > 1 else None), o.sharding.spec
         emb = t.embed_tokens.embedding[...]

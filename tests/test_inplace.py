@@ -4,6 +4,7 @@ transpose of a cache-sized buffer (read from the optimised HLO, after XLA's copy
 import re
 
 import numpy as np
+import pytest
 from flax import nnx
 
 import retrace_jax as rj
@@ -61,19 +62,22 @@ def _one_layer_of_cache(cfg, batch, slots):
     return batch * slots * cfg.num_kv_heads * cfg.head_dim
 
 
-def test_plain_loop_updates_cache_in_place():
+@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
+def test_plain_loop_updates_cache_in_place(layer_loop):
     target, args = _inputs()
     graphdef, state = nnx.split(target)
-    hlo = plain_generate.lower(graphdef, state, *args, capacity=512).compile().as_text()
+    hlo = plain_generate.lower(graphdef, state, *args, capacity=512, layer_loop=layer_loop).compile().as_text()
     copies = loop_copies(hlo, _one_layer_of_cache(target.cfg, 2, 16 + 512))
     assert not copies, "\n".join(copies)
 
 
-def test_speculative_loop_updates_both_caches_in_place():
+@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
+def test_speculative_loop_updates_both_caches_in_place(layer_loop):
     target, args = _inputs()
     drafter = rj.init_drafter(target.cfg, mask_token_id=511, num_layers=2, block_size=8)
     (tdef, tstate), (ddef, dstate) = nnx.split(target), nnx.split(drafter)
-    hlo = speculative_generate.lower(tdef, tstate, ddef, dstate, *args, capacity=512, block_size=8).compile().as_text()
+    hlo = speculative_generate.lower(tdef, tstate, ddef, dstate, *args, capacity=512, block_size=8,
+                                     layer_loop=layer_loop).compile().as_text()
     copies = loop_copies(hlo, _one_layer_of_cache(target.cfg, 2, 16 + 512 + 8))
     assert not copies, "\n".join(copies)
 
