@@ -36,8 +36,10 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0: off")
-    p.add_argument("--draft-rule", default="argmax", choices=["argmax", "sample"],
-                   help="speculative sampling: argmax proposals (one-hot q) or proposals drawn from q")
+    p.add_argument("--draft-rule", default="argmax", choices=["argmax", "target_sample", "sample"],
+                   help="speculative sampling: argmax proposals with one-hot rejection, argmax proposals "
+                        "matched against the target's own samples (the official DFlash rule), or proposals "
+                        "drawn from q")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--mesh", default=None, help='shard over the devices, e.g. "data=2,tensor=4" (axes: data, '

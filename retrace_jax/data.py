@@ -4,6 +4,11 @@ Each shard ``shard_NNNNN.npz`` holds a run of sequences (prompt + the target's r
 ``tokens`` / ``loss_mask`` (1 on response tokens) with ``offsets``; ``manifest.json`` records the
 settings and the shards finished, so an interrupted preparation resumes where it stopped and never
 rewrites a finished shard.
+
+Prompts are never cut: a prompt longer than ``max_prompt_len`` tokens is left out (:func:`drop_long`,
+which counts them) or, when the caller keeps every prompt, refused (:func:`check_prompt_lengths`). Cutting
+would remove the end of the chat template (the assistant header), so the target would "answer" a
+truncated user turn and the drafter would be trained on that.
 """
 
 from __future__ import annotations
@@ -115,12 +120,14 @@ class PrepareSettings:
 
 def prepare_shards(out_dir: str, prompts_ids: Sequence[Sequence[int]], settings: PrepareSettings,
                    generate_fn: Callable[[list[list[int]], int], list[list[int]]], progress: bool = True) -> dict:
-    """Regenerates responses for ``prompts_ids`` shard by shard into ``out_dir`` (resumable).
+    """Regenerates responses for ``prompts_ids`` shard by shard into ``out_dir`` (resumable). Every
+    prompt must fit in ``settings.max_prompt_len`` tokens (checked before anything is written).
 
     ``generate_fn(prompts, first_index)`` returns the responses; ``first_index`` (the global index of
     the first prompt) lets sampled regeneration use distinct random streams in every shard."""
     from tqdm import tqdm
 
+    check_prompt_lengths(prompts_ids, settings.max_prompt_len)
     os.makedirs(out_dir, exist_ok=True)
     manifest_path = os.path.join(out_dir, MANIFEST)
     manifest = {"settings": dataclasses.asdict(settings), "done": []}
@@ -137,7 +144,7 @@ def prepare_shards(out_dir: str, prompts_ids: Sequence[Sequence[int]], settings:
                disable=not progress)
     tokens_done, start = 0, time.perf_counter()
     for i in todo:
-        chunk = [list(p)[: settings.max_prompt_len] for p in prompts_ids[i * settings.shard_size:(i + 1) * settings.shard_size]]
+        chunk = [list(p) for p in prompts_ids[i * settings.shard_size:(i + 1) * settings.shard_size]]
         responses = generate_fn(chunk, i * settings.shard_size)
         seqs = [(p, r) for p, r in zip(chunk, responses)]
         offsets = np.cumsum([0] + [len(p) + len(r) for p, r in seqs]).astype(np.int64)
@@ -231,3 +238,17 @@ def drop_long(ids: list[list[int]], max_len: int, limit: int | None = None) -> t
     were left out of the whole list."""
     kept = [p for p in ids if len(p) <= max_len]
     return (kept if limit is None else kept[:limit]), len(ids) - len(kept)
+
+
+def check_prompt_lengths(ids: Sequence[Sequence[int]], max_len: int) -> None:
+    """Refuses (``DataError``) prompts longer than ``max_len`` tokens, naming how many and the longest:
+    prompts are never cut (see the module docstring); :func:`drop_long` leaves them out instead."""
+    long = [i for i, p in enumerate(ids) if len(p) > max_len]
+    if long:
+        worst = max(long, key=lambda i: len(ids[i]))
+        raise DataError(
+            f"{len(long)} of {len(ids)} prompts are longer than max_prompt_len={max_len} tokens (the longest, "
+            f"prompt {worst}, has {len(ids[worst])}). Prompts are never cut: a cut prompt loses the chat "
+            f"template's assistant header. Leave them out with data.drop_long_prompts: true (the default), "
+            f"or raise data.max_prompt_len"
+        )

@@ -9,7 +9,9 @@ Its decoder blocks are the target's (``retrace_jax/layers.py``) with q/k norms a
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import warnings
 from typing import Any
 
 import jax.numpy as jnp
@@ -23,7 +25,11 @@ from retrace_jax.retrace import Memory, ReTraceConfig, ReTraceFusion
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
-    """The official default: the middle layer for one, else evenly spread from layer 1 to L-3."""
+    """The official default: the middle layer for one, else evenly spread from layer 1 to L-3.
+
+    Kept exactly, duplicates included: for a shallow target (``num_target_layers - 4`` smaller than
+    ``num_draft_layers - 1``) ids repeat, e.g. ``(1, 1)`` for 4 target layers and 2 drafter layers. The
+    drafter then reads the same feature twice; :class:`DrafterConfig` warns about it."""
     if num_draft_layers == 1:
         return (num_target_layers // 2,)
     span = num_target_layers - 4
@@ -48,6 +54,18 @@ class DrafterConfig:
     vocab_size: int
     attention_bias: bool = False
     retrace: ReTraceConfig | None = None  # set for a ReTrace drafter
+
+    def __post_init__(self):
+        repeated = sorted(i for i, n in collections.Counter(self.target_layer_ids).items() if n > 1)
+        if repeated:
+            warnings.warn(
+                f"drafter target_layer_ids {list(self.target_layer_ids)} repeat layer(s) {repeated}: the drafter "
+                f"reads the same target feature more than once. The official default formula gives such ids "
+                f"when the target has few layers ({self.num_target_layers} here) for {self.num_layers} drafter "
+                f"layers; they are kept as given, as the official DFlash code keeps them",
+                UserWarning,
+                stacklevel=3,
+            )
 
     @property
     def block_spec(self) -> BlockSpec:

@@ -20,6 +20,7 @@ from retrace_jax.target import TargetModel, resolve_layer_loop
 
 MIN_BUCKET = 16
 STOP_BUCKET = 8
+DRAFT_RULES = ("argmax", "target_sample", "sample")  # speculative sampling at T > 0 (see generate)
 
 
 @dataclasses.dataclass
@@ -69,10 +70,13 @@ def generate(
     unless ``use_retrace=False`` (an ablation: then it drafts exactly as a DFlash drafter).
 
     ``temperature > 0`` samples from the target's distribution after temperature, top-k (0: off) and
-    top-p (1.0: off); speculative sampling keeps that distribution exactly. ``draft_rule="argmax"``
-    proposes the drafter's argmax (a one-hot draft distribution); ``"sample"`` draws proposals from the
-    drafter's own filtered distribution. Each row has its own random stream; ``seed`` makes runs
-    reproducible.
+    top-p (1.0: off); speculative sampling keeps that distribution exactly, by one of three rules:
+    ``draft_rule="argmax"`` proposes the drafter's argmax and verifies by rejection sampling with a
+    one-hot draft distribution; ``"target_sample"`` (the official DFlash loop's rule) proposes the
+    argmax, lets the target draw its own token at every slot and accepts while they match; ``"sample"``
+    draws proposals from the drafter's own filtered distribution q (rejection sampling with q). The
+    first two give the same distribution of tokens and of acceptance lengths (only the use of the random
+    stream differs). Each row has its own random stream; ``seed`` makes runs reproducible.
 
     With a ``mesh`` (see ``rj.make_mesh``) the same program runs sharded: parameters by the
     logical-axis rules (placed there if they are not yet), caches and batch over the data axis, heads
@@ -142,8 +146,8 @@ def _sampling_mode(temperature, top_k, top_p, draft_rule) -> SamplingMode:
         raise ValueError(f"top_k must be a non-negative integer (0: off), got {top_k!r}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
-    if draft_rule not in ("argmax", "sample"):
-        raise ValueError(f"draft_rule must be 'argmax' or 'sample', got {draft_rule!r}")
+    if draft_rule not in DRAFT_RULES:
+        raise ValueError(f"draft_rule must be one of {', '.join(map(repr, DRAFT_RULES))}, got {draft_rule!r}")
     if temperature == 0:  # greedy: the filters keep the argmax, so they change nothing
         return SamplingMode()
     return SamplingMode(sample=True, top_k=top_k > 0, top_p=top_p < 1, draft_rule=draft_rule)

@@ -22,7 +22,7 @@ class SamplingMode:
     sample: bool = False  # False: greedy
     top_k: bool = False  # a top-k filter is applied
     top_p: bool = False  # a top-p filter is applied
-    draft_rule: str = "argmax"  # "argmax": one-hot draft distribution; "sample": proposals drawn from q
+    draft_rule: str = "argmax"  # "argmax": one-hot rejection; "target_sample": official; "sample": from q
 
 
 TOP_CAP = 256  # candidates taken with lax.top_k before falling back to sorting the whole vocabulary

@@ -26,7 +26,7 @@ from retrace_jax.kv_cache import KVCache
 from retrace_jax.retrace import Memory, shift_memory
 from retrace_jax.sampling import SamplingMode, SamplingParams, row_keys, step_keys
 from retrace_jax.target import merge_target, prefill
-from retrace_jax.verify import accepted_count, committed_tokens, rejection_sample
+from retrace_jax.verify import accepted_count, committed_tokens, rejection_sample, target_sample_match
 
 
 @struct.dataclass
@@ -75,7 +75,8 @@ def draft_block(target, drafter, anchor_b, draft_cache: KVCache, block_size: int
 
 
 def make_proposals(keys_b, draft_logits_bkv, sampling: SamplingParams, mode: SamplingMode):
-    """The drafter's tokens ``[B, K]``: argmax, or draws from its filtered distribution q."""
+    """The drafter's tokens ``[B, K]``: argmax (``draft_rule`` "argmax", "target_sample" and greedy), or
+    draws from its filtered distribution q (``draft_rule="sample"``)."""
     if mode.sample and mode.draft_rule == "sample":
         keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys_b)
         return jax.vmap(jax.random.categorical)(keys, sampling.logprobs(draft_logits_bkv, mode)).astype(jnp.int32)
@@ -85,12 +86,15 @@ def make_proposals(keys_b, draft_logits_bkv, sampling: SamplingParams, mode: Sam
 def verify_round(keys_b, proposals_bk, draft_logits_bkv, target_logits_bjv, sampling: SamplingParams,
                  mode: SamplingMode):
     """Accepted count ``a`` and the round's tokens ``[B, K + 1]``, of which the first ``a + 1`` are
-    committed. Greedy: exact match with the target's argmax; else rejection sampling."""
+    committed. Greedy: exact match with the target's argmax; ``draft_rule="target_sample"``: match with
+    the target's own samples (the official DFlash rule); else rejection sampling."""
     if not mode.sample:
         choice = jnp.argmax(target_logits_bjv, -1).astype(jnp.int32)
         a = accepted_count(proposals_bk, choice)
         return a, committed_tokens(proposals_bk, choice, a)
     keys = jax.vmap(lambda k: jax.random.fold_in(k, 2))(keys_b)
+    if mode.draft_rule == "target_sample":
+        return target_sample_match(keys, proposals_bk, sampling.logprobs(target_logits_bjv, mode))
     draft_logp = sampling.logprobs(draft_logits_bkv, mode) if mode.draft_rule == "sample" else None
     a, next_b = rejection_sample(keys, proposals_bk, sampling.logprobs(target_logits_bjv, mode), draft_logp)
     return a, committed_tokens(proposals_bk, jnp.broadcast_to(next_b[:, None], target_logits_bjv.shape[:2]), a)

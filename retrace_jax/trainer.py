@@ -38,8 +38,8 @@ DEFAULTS: dict[str, Any] = {
         "num_prompts": 1024,  # how many prompts to use (random prompts: how many to draw); null: all
         "prompt_len": 8,  # random prompts only
         "eval_prompts": 16,  # held out from training for the periodic τ evaluation
-        "max_prompt_len": 1024,  # longer prompts are cut to their first tokens (or dropped, below)
-        "drop_long_prompts": False,  # true: prompts longer than max_prompt_len are left out instead of cut
+        "max_prompt_len": 1024,  # prompts are never cut: longer ones are dropped (below) or refused
+        "drop_long_prompts": True,  # true: longer prompts are left out (and counted); false: they are an error
         "max_new_tokens": 64,  # response length of the regeneration
         "gen_batch_size": 64,
         "shard_size": 512,

@@ -130,3 +130,26 @@ def test_not_a_drafter_directory(target, hf_model_dir, tmp_path):
         rj.load_drafter(hf_model_dir("qwen3")[1], target)
     with pytest.raises(FileNotFoundError):
         rj.load_drafter(str(tmp_path / "missing"), target)
+
+
+def test_repeated_target_layer_ids_are_kept_with_a_warning(tmp_path):
+    """The official formula gives (1, 1) for a 4-layer target and 2 drafter layers: kept, but warned about
+    at creation and at loading; distinct ids give no warning."""
+    import warnings
+
+    from retrace_jax.drafter import default_target_layer_ids
+    from retrace_jax.tiny import tiny_target
+
+    target = tiny_target()
+    assert target.cfg.num_layers == 4
+    assert default_target_layer_ids(4, 2) == (1, 1)
+    with pytest.warns(UserWarning, match=r"target_layer_ids \[1, 1\] repeat layer\(s\) \[1\]"):
+        d = rj.init_drafter(target.cfg, mask_token_id=3, num_layers=2, block_size=4)
+    assert d.cfg.target_layer_ids == (1, 1)
+    rj.save_drafter(d, str(tmp_path))
+    with pytest.warns(UserWarning, match=r"repeat layer\(s\) \[1\]"):
+        loaded = rj.load_drafter(str(tmp_path), target)
+    assert loaded.cfg.target_layer_ids == (1, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rj.init_drafter(target.cfg, mask_token_id=3, num_layers=2, block_size=4, target_layer_ids=(0, 2))

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from retrace_jax.commit import OutputBuffer, commit
-from retrace_jax.verify import accepted_count, committed_tokens
+from retrace_jax.verify import accepted_count, committed_tokens, target_sample_match
 
 VOCAB = 4  # small, so that proposals often agree with the target
 
@@ -64,3 +64,21 @@ def test_round_commit_with_stop_and_limit(case, max_new, stop, already):
                 break
         assert np.asarray(out.tokens[b, already : int(out.num[b])]).tolist() == kept
         assert bool(out.done[b]) == (stop in kept or already + len(kept) >= max_new)
+
+
+def test_official_rule_with_certain_target_is_greedy_match():
+    """When the target puts all its mass on one token per slot, its samples are those tokens: the official
+    rule accepts and commits exactly as the greedy match does (many random rounds, one shape)."""
+    import jax
+
+    rng = np.random.RandomState(0)
+    proposals = rng.randint(0, VOCAB, (256, 4)).astype(np.int32)
+    choice = rng.randint(0, VOCAB, (256, 5)).astype(np.int32)
+    choice[::2, :4] = np.where(rng.rand(128, 4) < 0.8, proposals[::2], choice[::2, :4])  # long matches too
+    logp = jnp.where(jax.nn.one_hot(jnp.asarray(choice), VOCAB) > 0, 0.0, -jnp.inf)
+    a, tokens = target_sample_match(jax.random.split(jax.random.PRNGKey(3), 256), jnp.asarray(proposals), logp)
+    want = accepted_count(jnp.asarray(proposals), jnp.asarray(choice))
+    assert set(np.asarray(want).tolist()) == {0, 1, 2, 3, 4}
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(tokens),
+                                  np.asarray(committed_tokens(jnp.asarray(proposals), jnp.asarray(choice), want)))
