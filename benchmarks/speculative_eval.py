@@ -55,10 +55,10 @@ DEFAULT_SPEC_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspat
 DEFAULT_HUMANEVAL = os.path.join(os.path.expanduser("~"), ".cache", "retrace_jax", "data", "humaneval.jsonl")
 
 
-def read_datasets(spec_bench: str, humaneval: str) -> dict[str, list[str]]:
-    """Dataset name -> user messages, in file order."""
+def read_datasets(spec_bench: str, humaneval: str | None) -> dict[str, list[str]]:
+    """Dataset name -> user messages, in file order (Spec-Bench only when ``humaneval`` is None)."""
     sets: dict[str, list[str]] = collections.defaultdict(list)
-    for path in (spec_bench, humaneval):
+    for path in (spec_bench, humaneval) if humaneval is not None else (spec_bench,):
         if not os.path.isfile(path):
             raise SystemExit(f"prompt file not found: {path}" + (" (python scripts/fetch_assets.py humaneval)"
                                                                  if path == humaneval else ""))
@@ -66,6 +66,8 @@ def read_datasets(spec_bench: str, humaneval: str) -> dict[str, list[str]]:
         for line in f:
             r = json.loads(line)
             sets["mt_bench" if r["category"] in MT_BENCH else r["category"]].append(r["turns"][0])
+    if humaneval is None:
+        return dict(sets)
     opener = gzip.open if humaneval.endswith(".gz") else open
     with opener(humaneval, "rt") as f:
         for line in f:
