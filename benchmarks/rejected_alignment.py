@@ -47,17 +47,22 @@ TOP = 5
 
 class Tally:
     """Counts per distance ``d`` from the first rejection (``d = 0``: slot a + 1, the target's correction;
-    ``d >= 1``: the rejected suffix, slot a + 1 + d)."""
+    ``d >= 1``: the rejected suffix, slot a + 1 + d). The next round drafts each suffix position afresh
+    at its slot ``d``; ``fresh_*`` count how often that new draft is right, ``stale_only_top1`` how often
+    the old proposal was right and the new one wrong (what carrying the top-1 could add at most)."""
+
+    FIELDS = ("n", "top1", "topk", "fresh_top1", "fresh_topk", "stale_only_top1")
 
     def __init__(self, block_size: int):
-        k = block_size - 1
-        self.n, self.top1, self.topk = (np.zeros((k,), np.int64) for _ in range(3))
+        for name in self.FIELDS:
+            setattr(self, name, np.zeros((block_size - 1,), np.int64))
         self.rounds = self.committed = 0  # rounds run and their a + 1 summed (τ pooled = committed / rounds)
 
-    def add_round(self, active_b, start_b, accepted_b, top_bkn, final_tokens, prompt_lens_b):
+    def add_round(self, active_b, start_b, accepted_b, top_bkn, final_tokens, prompt_lens_b, next_start_b=None,
+                  next_top_bkn=None):
         """One round. ``top_bkn``: the drafter's ``n`` best tokens per slot 1..K, best first (its
         proposal at greedy); ``final_tokens[b]``: row b's committed new tokens, the first at absolute
-        position ``prompt_lens_b[b]``."""
+        position ``prompt_lens_b[b]``; ``next_start_b``, ``next_top_bkn``: the next round's."""
         k = top_bkn.shape[1]
         for b in np.flatnonzero(active_b):
             a = int(accepted_b[b])
@@ -72,17 +77,31 @@ class Tally:
                 self.n[d] += 1
                 self.top1[d] += token == top[0]
                 self.topk[d] += token in top
+                if d == 0:
+                    continue
+                # a suffix position inside the output: the row went on, and its next round starts at the
+                # new anchor start + a + 1, so it drafts this position at slot d
+                if next_start_b is None or int(next_start_b[b]) != int(start_b[b]) + a + 1:
+                    raise ValueError(f"row {b}: the round after start {int(start_b[b])} (a = {a}) is missing")
+                fresh = next_top_bkn[b, d - 1]
+                self.fresh_top1[d] += token == fresh[0]
+                self.fresh_topk[d] += token in fresh
+                self.stale_only_top1[d] += (token == top[0]) & (token != fresh[0])
 
     def summary(self) -> dict:
-        def row(sel):
+        def row(sel, fresh=True):
             n = int(self.n[sel].sum())
             pct = (lambda x: round(100.0 * int(x[sel].sum()) / n, 2) if n else None)
-            return {"positions": n, "top1_pct": pct(self.top1), f"top{TOP}_pct": pct(self.topk)}
+            out = {"positions": n, "top1_pct": pct(self.top1), f"top{TOP}_pct": pct(self.topk)}
+            if fresh:
+                out.update({"fresh_top1_pct": pct(self.fresh_top1), f"fresh_top{TOP}_pct": pct(self.fresh_topk),
+                            "stale_only_top1_pct": pct(self.stale_only_top1)})
+            return out
 
         k = len(self.n)
         return {"rounds": self.rounds, "tau_pooled": round(self.committed / self.rounds, 4) if self.rounds else None,
-                "rejected_suffix": row(slice(1, k)), "first_rejected": row(slice(0, 1)),
-                "by_distance": {str(d): row(slice(d, d + 1)) for d in range(k) if self.n[d]}}
+                "rejected_suffix": row(slice(1, k)), "first_rejected": row(slice(0, 1), fresh=False),
+                "by_distance": {str(d): row(slice(d, d + 1), fresh=d > 0) for d in range(k) if self.n[d]}}
 
 
 @jax.jit
@@ -121,17 +140,18 @@ def measure(target, drafter, prompts, max_new_tokens: int, *, stop_token_ids=(),
                                        use_retrace=use_retrace, block_size=block_size,
                                        on_round=lambda info, top: rounds.append((info, top)))
     tally = Tally(block_size)
-    for info, top in rounds:
-        tally.add_round(info.active_b[: len(prompts)], info.start_b, info.accepted_b, top, tokens, lens)
+    for r, (info, top) in enumerate(rounds):
+        after = rounds[r + 1] if r + 1 < len(rounds) else (None, None)
+        tally.add_round(info.active_b[: len(prompts)], info.start_b, info.accepted_b, top, tokens, lens,
+                        None if after[0] is None else after[0].start_b, after[1])
     return tally, tokens
 
 
 def merge(tallies: list[Tally]) -> Tally:
     out = Tally(len(tallies[0].n) + 1)
     for t in tallies:
-        out.n += t.n
-        out.top1 += t.top1
-        out.topk += t.topk
+        for name in Tally.FIELDS:
+            setattr(out, name, getattr(out, name) + getattr(t, name))
         out.rounds += t.rounds
         out.committed += t.committed
     return out

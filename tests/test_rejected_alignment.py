@@ -63,19 +63,33 @@ def test_counting_on_a_hand_made_round():
     top[0, 3] = [14, 1, 2, 3, 4]
     top[1] = 7
     lens = np.array([3, 8, 3])
+    # the next round starts at 4 + 1 + 1 = 6 and drafts slot 3's position (index 4: 14) at its slot 1
+    next_top = np.zeros((3, 4, 5), np.int64)
+    next_top[0, 0] = [5, 14, 0, 0, 0]
     t = Tally(5)
-    t.add_round(np.array([True, True, False]), np.array([4, 8, 3]), np.array([1, 4, 0]), top, final, lens)
+    t.add_round(np.array([True, True, False]), np.array([4, 8, 3]), np.array([1, 4, 0]), top, final, lens,
+                np.array([6, 8, 3]), next_top)
     assert t.n.tolist() == [1, 1, 0, 0]
     assert t.top1.tolist() == [0, 1, 0, 0] and t.topk.tolist() == [1, 1, 0, 0]
     # Round 2, row 0: start 3 (= the prompt length: slot k at index k), a = 0: slot 1 (11) is the first
     # rejection and the drafter's top-1 (impossible at greedy, but the counting must not assume it);
     # slot 2 (12): top-5 only; slot 3 (13): neither; slot 4 (14): top-1.
-    t.add_round(np.array([True, False, False]), np.array([3, 0, 0]), np.array([0, 0, 0]), top, final, lens)
+    next_top[0, :3] = [[12, 0, 0, 0, 0], [13, 0, 0, 0, 0], [1, 2, 3, 4, 5]]  # next round: start 4
+    with pytest.raises(ValueError, match="row 0"):  # a suffix inside the output needs the next round
+        Tally(5).add_round(np.array([True, False, False]), np.array([3, 0, 0]), np.array([0, 0, 0]), top, final,
+                           lens, np.array([5, 0, 0]), next_top)
+    t.add_round(np.array([True, False, False]), np.array([3, 0, 0]), np.array([0, 0, 0]), top, final, lens,
+                np.array([4, 0, 0]), next_top)
     assert t.n.tolist() == [2, 2, 1, 1]
     assert t.top1.tolist() == [1, 1, 0, 1] and t.topk.tolist() == [2, 2, 0, 1]
+    assert t.fresh_top1.tolist() == [0, 1, 1, 0] and t.fresh_topk.tolist() == [0, 2, 1, 0]
+    assert t.stale_only_top1.tolist() == [0, 1, 0, 1]
     s = merge([t, Tally(5)]).summary()
     assert s["rounds"] == 3 and s["tau_pooled"] == round((2 + 5 + 1) / 3, 4)
     assert s["first_rejected"] == {"positions": 2, "top1_pct": 50.0, "top5_pct": 100.0}
-    assert s["rejected_suffix"] == {"positions": 4, "top1_pct": 50.0, "top5_pct": 75.0}
-    assert s["by_distance"]["2"] == {"positions": 1, "top1_pct": 0.0, "top5_pct": 0.0}
-    assert s["by_distance"]["3"] == {"positions": 1, "top1_pct": 100.0, "top5_pct": 100.0}
+    assert s["rejected_suffix"] == {"positions": 4, "top1_pct": 50.0, "top5_pct": 75.0, "fresh_top1_pct": 50.0,
+                                    "fresh_top5_pct": 75.0, "stale_only_top1_pct": 50.0}
+    assert s["by_distance"]["2"] == {"positions": 1, "top1_pct": 0.0, "top5_pct": 0.0, "fresh_top1_pct": 100.0,
+                                     "fresh_top5_pct": 100.0, "stale_only_top1_pct": 0.0}
+    assert s["by_distance"]["3"] == {"positions": 1, "top1_pct": 100.0, "top5_pct": 100.0, "fresh_top1_pct": 0.0,
+                                     "fresh_top5_pct": 0.0, "stale_only_top1_pct": 100.0}
