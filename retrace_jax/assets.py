@@ -10,7 +10,7 @@ the 4-bit GGUF tensors to float32 with the ``gguf`` package, and write ``config.
 ``model.safetensors`` and the tokenizer (built by transformers from the GGUF) into
 ``CACHE/NAME`` (default ``~/.cache/retrace_jax/models``). Idempotent: a finished directory is kept.
 Needs ``pip install -e '.[assets]'``: the ``gguf`` package dequantises, and transformers' GGUF reader
-(which imports PyTorch) builds the tokenizer. See ../shared/docs/assets.md.
+(which imports PyTorch) builds the tokenizer. See docs/assets.md.
 
 Prompt sets become JSONL files under ``CACHE/../data`` that ``train.py`` and the benchmarks read:
 ``sharegpt.jsonl`` (the first user turn of every ShareGPT conversation that has one, as ``messages``)

@@ -3,7 +3,7 @@
 The target's features enter through every layer's keys and values ("KV injection"): the fused context
 ``hidden_norm(fc(features))`` is projected by each layer's own ``k_proj``/``v_proj`` and placed before the
 block's keys. The drafter has no embedding and no LM head: the target's are passed in by the caller.
-See ``shared/docs/dflash.md``.
+See ``docs/dflash.md``.
 """
 
 from __future__ import annotations
