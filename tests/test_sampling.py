@@ -12,8 +12,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 import retrace_jax as rj
 from retrace_jax.sampling import SamplingMode, filtered_logprobs
-from tests.hf_models import make_hf_model, save_hf_model
-from tests.test_drafter import randomize
+from tests.helpers import make_hf_model, randomize, save_hf_model
 
 VOCAB = 6
 PROMPT = [1, 4, 2]
@@ -81,9 +80,17 @@ DRAWS = 6000
 N_TOKENS = 3  # with block size 3, the third token may come from the second slot of a round
 
 
-@pytest.mark.parametrize("method", ["plain", "argmax", "sample"])
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 4, 0.9)])
-def test_speculative_sampling_is_exact(small_vocab, method, temperature, top_k, top_p):
+# Each case compiles a program for 6000 rows. The default run keeps three that between them cover plain
+# sampling, both draft rules and the filters; the other three are marked slow (pytest -m slow).
+@pytest.mark.parametrize("temperature,top_k,top_p,method", [
+    (1.0, 0, 1.0, "plain"),
+    (1.0, 0, 1.0, "argmax"),
+    (0.8, 4, 0.9, "sample"),
+    pytest.param(1.0, 0, 1.0, "sample", marks=pytest.mark.slow),
+    pytest.param(0.8, 4, 0.9, "plain", marks=pytest.mark.slow),
+    pytest.param(0.8, 4, 0.9, "argmax", marks=pytest.mark.slow),
+])
+def test_speculative_sampling_is_exact(small_vocab, temperature, top_k, top_p, method):
     model, target = small_vocab
     kwargs = {}
     if method != "plain":
