@@ -78,7 +78,9 @@ def _first_user_turn(record: dict, where: str) -> list[dict]:
 
 def read_prompts(path: str, limit: int | None = None) -> list[list[dict]]:
     """Chat prompts (message lists) from a JSONL file of ShareGPT, OpenAI-style or ``{"prompt": ...}``
-    records. Records without a usable user turn are errors, naming the line."""
+    records. A record of the wrong shape (a message without content, empty ``turns``, ``conversations``
+    that is not a list, no user turn) is a ``DataError`` naming the file, the line and the field; no
+    record is skipped silently."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"prompt file not found: {path}")
     prompts = []
