@@ -383,7 +383,9 @@ def save_drafter(drafter: DFlashDrafter, path: str, dtype=None) -> None:
     The checkpoint is written to a temporary directory beside ``path`` and renamed into place, so a
     failure (or a killed process) leaves an existing checkpoint at ``path`` as it was. Other files there
     (a tokenizer, a README) are kept; old weight files of any layout (an index and its shards,
-    ``pytorch_model.bin``) are not, so they cannot shadow the new weights."""
+    ``pytorch_model.bin``) are not, so they cannot shadow the new weights. Replacing an existing directory
+    takes two renames (old out, new in); a process killed between them leaves the old checkpoint as
+    ``.NAME.old-*`` beside ``path``."""
     dtype = resolve_dtype(dtype if dtype is not None else drafter.dtype)
     path = os.path.abspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
