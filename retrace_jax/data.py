@@ -21,6 +21,8 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from retrace_jax.config import short_repr
+
 MANIFEST = "manifest.json"
 
 
@@ -30,31 +32,60 @@ class DataError(ValueError):
 
 # ---------------------------------------------------------------------------------------------- prompts
 
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def _message_list(record: dict, key: str, where: str) -> list:
+    value = record[key]
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: '{key}' must be a non-empty list of messages, got {short_repr(value)}")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise DataError(f"{where}: {key}[{i}] must be an object, got {short_repr(m)}")
+    return value
+
+
 def _first_user_turn(record: dict, where: str) -> list[dict]:
-    """The conversation up to and including its first user message, as chat messages."""
-    if "messages" in record:  # OpenAI style
-        msgs = [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
+    """The conversation up to and including its first user message, as chat messages. A record of the
+    wrong shape is a ``DataError`` naming ``where`` (file:line) and the field; messages after the first
+    user turn are not looked at."""
+    if "messages" in record:  # OpenAI style: (message, its role key, its content key, its name)
+        msgs = [(m, "role", "content", f"messages[{i}]") for i, m in enumerate(_message_list(record, "messages", where))]
     elif "conversations" in record:  # ShareGPT
-        roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-        msgs = [{"role": roles.get(m.get("from"), m.get("from")), "content": m.get("value", "")}
-                for m in record["conversations"]]
+        msgs = [(m, "from", "value", f"conversations[{i}]")
+                for i, m in enumerate(_message_list(record, "conversations", where))]
     elif "prompt" in record:
-        msgs = [{"role": "user", "content": record["prompt"]}]
+        msgs = [({"role": "user", "prompt": record["prompt"]}, "role", "prompt", "record")]
     elif "turns" in record:  # Spec-Bench / MT-Bench questions
-        msgs = [{"role": "user", "content": record["turns"][0]}]
+        turns = record["turns"]
+        if not isinstance(turns, list) or not turns:
+            raise DataError(f"{where}: 'turns' must be a non-empty list of strings, got {short_repr(turns)}")
+        msgs = [({"role": "user", "turns[0]": turns[0]}, "role", "turns[0]", "record")]
     else:
         raise DataError(f"{where}: a record needs 'messages', 'conversations', 'prompt' or 'turns'")
-    for i, m in enumerate(msgs):
-        if m["role"] == "user":
-            if not isinstance(m["content"], str) or not m["content"].strip():
-                raise DataError(f"{where}: the first user message is empty")
-            return msgs[: i + 1]
+    chat = []
+    for m, role_key, content_key, name in msgs:
+        for key in (role_key, content_key):
+            if key not in m:
+                raise DataError(f"{where}: {name} has no '{key}'")
+        if not isinstance(m[role_key], str):
+            raise DataError(f"{where}: {name}.{role_key} must be a string, got {short_repr(m[role_key])}")
+        role, content = SHAREGPT_ROLES.get(m[role_key], m[role_key]), m[content_key]
+        if not isinstance(content, str):
+            raise DataError(f"{where}: {name}.{content_key} must be a string, got {short_repr(content)}")
+        chat.append({"role": role, "content": content})
+        if role == "user":
+            if not content.strip():
+                raise DataError(f"{where}: the first user message ({name}.{content_key}) is empty")
+            return chat
     raise DataError(f"{where}: no user message")
 
 
 def read_prompts(path: str, limit: int | None = None) -> list[list[dict]]:
     """Chat prompts (message lists) from a JSONL file of ShareGPT, OpenAI-style or ``{"prompt": ...}``
-    records. Records without a usable user turn are errors, naming the line."""
+    records. A record of the wrong shape (a message without content, empty ``turns``, ``conversations``
+    that is not a list, no user turn) is a ``DataError`` naming the file, the line and the field; no
+    record is skipped silently."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"prompt file not found: {path}")
     prompts = []

@@ -14,7 +14,7 @@ import train
 from retrace_jax.data import (DataError, PrepareSettings, check_prompt_lengths, drop_long, prepare_shards,
                               read_prompts)
 from retrace_jax.trainer import load_config
-from tests.hf_models import make_hf_model, save_hf_model, save_word_tokenizer
+from tests.helpers import make_hf_model, save_hf_model, save_word_tokenizer
 
 PROMPT_LINES = [
     {"conversations": [{"from": "human", "value": "w5 w6 w7 w8"}, {"from": "gpt", "value": "w9"}]},
