@@ -40,7 +40,7 @@ PRESETS = {  # config, drafter layers, block size
     "qwen3-4b": (dataclasses.replace(TINY_QWEN3, hidden_size=2560, intermediate_size=9728, **QWEN3_COMMON), 5, 16),
     "qwen3-8b": (dataclasses.replace(TINY_QWEN3, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False,
                                      **QWEN3_COMMON), 5, 16),
-    "smoke": (dataclasses.replace(TINY_QWEN3, max_position_embeddings=8192), 2, 8),
+    "smoke": (dataclasses.replace(TINY_QWEN3, max_position_embeddings=8192), 1, 8),
 }
 HBM_GB_S = {"H200": 4800, "H100": 3350, "A100": 2039, "L4": 300, "TPU v5 lite": 819, "TPU v5": 2765, "TPU v4": 1200,
             "TPU v6 lite": 1640}
@@ -159,7 +159,7 @@ def parity_rows(dtype):
         mask = jnp.arange(s)[None, None, :] < lim[:, :, None]
         want = reference_attention(q.astype(jnp.float32), k[0].astype(jnp.float32), v[0].astype(jnp.float32), mask)
         err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)))
-        rows.append({"model": "attention", "what": f"auto vs reference, {t} queries, {s} slots", "dtype": str(dtype),
+        rows.append({"model": "attention", "what": f"auto vs reference, {t} queries, {s} slots", "dtype": jnp.dtype(dtype).name,
                      "max_abs_err": f"{err:.2e}"})
     return rows
 
