@@ -9,9 +9,9 @@
   2-layer drafter, block 8; τ near 1, so it shows the cost of a round). Milliseconds per generated token
   and the ratio to the smallest buffer: with attention that walks only the filled part of the cache the
   ratio stays near 1.
-- **filled**: milliseconds per generated token against the filled length (the prompt length) in one
-  32K-slot buffer: the difference of two generations of different lengths over their token difference,
-  so prefill cancels out.
+- **filled**: one plain step and one speculative round against the filled length (the prompt length)
+  in caches of 32K slots: the library's ``plain_step`` and ``speculative_round`` jitted alone, started
+  from the same state each time (medians of ``--steps`` calls).
 - **prefill**: prompts of 1K to 32K tokens, each in a fresh process: prefill time (a generation of one
   token), compile time and the process's peak resident memory.
 
@@ -30,11 +30,17 @@ import subprocess
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
+from retrace_jax.plain_loop import plain_init, plain_step  # noqa: E402
+from retrace_jax.sampling import SamplingParams  # noqa: E402
+from retrace_jax.speculative_loop import SpeculativeStepper  # noqa: E402
 from retrace_jax.tiny import TINY_QWEN3, tiny_target  # noqa: E402
 
 
@@ -101,24 +107,41 @@ def buffer_section(args, target, drafter):
 
 
 def filled_section(args, target, drafter):
+    """One plain step and one speculative round timed alone (the library's ``plain_step`` and
+    ``speculative_round``, jitted) on caches of ``filled_buffer`` slots holding ``filled`` positions."""
+    tdef, tstate = nnx.split(target)
+    sampling, stops = SamplingParams.make(), jnp.full((8,), -1, jnp.int32)
+    step = jax.jit(lambda s, consts, c: plain_step(nnx.merge(tdef, s), consts, c).buf.num)
     rows = []
-    slots = args.filled_buffer
     for filled in args.filled:
-        rng = np.random.default_rng(filled)
-        prompt = [rng.integers(1, target.cfg.vocab_size - 2, filled).tolist()]
-        bucket = 1 << (filled - 1).bit_length()
-        for name, kwargs in (("plain", {}), ("speculative", {"drafter": drafter})):
-            max_new = slots - bucket - (8 if kwargs else 0)
-            ref = rj.generate(target, prompt, 80, **kwargs).tokens[0]
-            (stop1, n1), (stop2, n2) = stop_at(ref, 15), stop_at(ref, 60)
-            t = []
-            for stop in (stop1, stop2):
-                _, _, run_s = timed(lambda: rj.generate(target, prompt, max_new, stop_token_ids=[stop], **kwargs),
-                                    args.repeats)
-                t.append(run_s)
-            rows.append({"section": "filled", "method": name, "buffer_slots": slots, "filled": filled,
-                         "ms_per_token": round(1e3 * (t[1] - t[0]) / (n2 - n1), 3)})
+        tokens = jnp.asarray(np.random.default_rng(filled).integers(1, target.cfg.vocab_size - 2, (1, filled)),
+                             jnp.int32)
+        lens, live = jnp.full((1,), filled, jnp.int32), jnp.ones((1,), bool)
+        capacity = args.filled_buffer - filled - 8
+        consts, carry = jax.jit(lambda s: plain_init(nnx.merge(tdef, s), tokens, lens, live, 10**6, stops, sampling,
+                                                     capacity=capacity))(tstate)
+        stepper = SpeculativeStepper(target, drafter, capacity=capacity, block_size=8)
+        first = stepper.init(tokens, lens, live, 10**6, stops, sampling)
+
+        def one_round():
+            stepper.carry = first
+            return stepper.step().accepted_b
+
+        ms_step = median_ms(lambda: step(tstate, consts, carry), args.steps)
+        ms_round = median_ms(one_round, args.steps)
+        rows.append({"section": "filled", "buffer_slots": first.target_cache.max_len, "filled": filled,
+                     "plain_step_ms": round(ms_step, 3), "speculative_round_ms": round(ms_round, 3)})
     return rows
+
+
+def median_ms(fn, n: int) -> float:
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return 1e3 * float(np.median(times))
 
 
 def prefill_one(args, length: int) -> dict:
@@ -163,6 +186,7 @@ def main():
     p.add_argument("--filled-buffer", type=int, default=32768)
     p.add_argument("--prompts", default="1024,4096,16384,32768")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20, help="timed calls per size in the filled section")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     p.add_argument("--prefill-one", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="write the rows as JSON")
@@ -177,7 +201,7 @@ def main():
         return
     rj.enable_compilation_cache(os.environ.get("RETRACE_JAX_CACHE_DIR", ""))  # off unless asked for
     print(f"random Qwen3 d={args.width}, {args.layers} layers, vocab {args.vocab}; batch 1, float32, "
-          f"{rj.generation.jax.devices()[0].platform}; medians of {args.repeats} runs", flush=True)
+          f"{jax.devices()[0].platform}; medians of {args.repeats} runs", flush=True)
     sections = args.sections.split(",")
     rows = []
     if "buffer" in sections or "filled" in sections:
