@@ -45,7 +45,10 @@ def verify_blocks(target: TargetModel, seq_cache, blocks_bak, anchors_ba):
 
 
 def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss_mask_bs, anchors_ba, valid_ba,
-                    beta, correction_source: str = "verify", gamma: float | None = None, remat: bool = False) -> Rollout:
+                    beta, correction_source: str = "verify", gamma: float | None = None, remat: bool = False,
+                    memory_dtype=None) -> Rollout:
+    """The two-round rollout. The memory carried into round 2 is detached (no gradient flows into round
+    1 through it); ``memory_dtype`` (e.g. ``"float16"``) stores it rounded to that type."""
     if correction_source not in CORRECTION_SOURCES:
         raise ValueError(f"correction_source must be one of {CORRECTION_SOURCES}, got {correction_source!r}")
     cfg = drafter.cfg
@@ -78,6 +81,9 @@ def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss
     memory = shift_memory(hidden1.reshape(b * a_count, k, -1),
                           target_states.reshape(b * a_count, k, -1).astype(hidden1.dtype), accepted.reshape(-1))
     memory = jax.tree.map(lambda x: x.reshape((b, a_count * k) + x.shape[2:]), memory)
+    if memory_dtype is not None:  # stored in memory_dtype, used in the compute dtype
+        memory = memory.replace(mem_d=memory.mem_d.astype(memory_dtype).astype(memory.mem_d.dtype),
+                                mem_t=memory.mem_t.astype(memory_dtype).astype(memory.mem_t.dtype))
 
     # Round 2: re-anchored after the accepted prefix and its correction token.
     anchors2 = anchors_ba + accepted + 1
@@ -91,8 +97,8 @@ def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss
 
 
 def retrace_loss(drafter, target, tokens_bs, loss_mask_bs, anchors_ba, valid_ba, beta, *, round1_weight=1.0,
-                 correction_source="verify", gamma=None, remat=False):
+                 correction_source="verify", gamma=None, remat=False, memory_dtype=None):
     """Round-2 loss plus ``round1_weight`` times the round-1 (DFlash) loss; metrics of both rounds."""
     r = retrace_rollout(drafter, target, tokens_bs, loss_mask_bs, anchors_ba, valid_ba, beta, correction_source,
-                        gamma, remat)
+                        gamma, remat, memory_dtype)
     return r.round2.loss + round1_weight * r.round1.loss, r
