@@ -25,7 +25,7 @@ from retrace_jax.sharding import batch_sharding, named_sharding
 from retrace_jax.target import TargetModel
 from retrace_jax.train_config import TrainConfig
 from retrace_jax.train_loop import optimizer_for, step_options
-from retrace_jax.train_step import make_train_step
+from retrace_jax.train_step import make_train_step, opt_state_shardings
 
 # The shapes of the published Qwen3 targets (their config.json), for sizing runs without the weights.
 QWEN3_4B = ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_layers=36,
@@ -65,14 +65,11 @@ def abstract_step(cfg: TrainConfig, target_cfg: ModelConfig, mesh=None):
     if mesh is None:
         opt_state = jax.eval_shape(optimizer.init, drafter_state)
         shardings = {}
-    else:  # the optimizer state follows the parameters (as init_opt_state places it); scalars replicated
-        replicated = NamedSharding(mesh, PartitionSpec())
-        compiled = jax.jit(optimizer.init).lower(drafter_state).compile()
-        opt_state = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s if x.ndim else replicated),
-            jax.eval_shape(optimizer.init, drafter_state), compiled.output_shardings)
-        shardings = dict(drafter_shardings=jax.tree.map(lambda x: x.sharding, drafter_state),
-                         opt_shardings=jax.tree.map(lambda x: x.sharding, opt_state))
+    else:  # the optimizer state follows the parameters (as init_opt_state places it)
+        opt_sh = opt_state_shardings(optimizer, drafter_state, mesh)
+        opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                 jax.eval_shape(optimizer.init, drafter_state), opt_sh)
+        shardings = dict(drafter_shardings=jax.tree.map(lambda x: x.sharding, drafter_state), opt_shardings=opt_sh)
     step = make_train_step(target_def, drafter_def, optimizer, step_options(cfg), mesh=mesh, **shardings)
     batch = dict(sharding=batch_sharding(mesh, 2)) if mesh is not None else {}
     tokens = jax.ShapeDtypeStruct((t.batch_size, t.seq_len), jnp.int32, **batch)
@@ -86,11 +83,23 @@ def step_memory(step, args) -> dict[str, int]:
     """Bytes per device of the compiled step, as XLA reports them: arguments (weights, optimizer state,
     batch), outputs, temporaries, outputs aliased onto donated arguments, and their sum less the aliases
     (the peak the program needs, within XLA's estimate)."""
-    m = step.lower(*args).compile().memory_analysis()
+    return memory_report(step.lower(*args).compile())
+
+
+def memory_report(compiled) -> dict[str, int]:
+    """:func:`step_memory` of an already compiled step."""
+    m = compiled.memory_analysis()
     out = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes, "temp": m.temp_size_in_bytes,
            "alias": m.alias_size_in_bytes, "generated_code": m.generated_code_size_in_bytes}
     out["peak"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
     return out
+
+
+def step_flops(compiled) -> float:
+    """Floating-point operations of one step per device, from XLA's cost analysis."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost.get("flops", float("nan")))
 
 
 def per_device_bytes(tree) -> int:

@@ -103,18 +103,22 @@ def _step(target_state, drafter_state, opt_state, tokens_bs, loss_mask_bs, step,
     return optax.apply_updates(drafter_state, updates), opt_state, metrics
 
 
+def opt_state_shardings(optimizer, drafter_state, mesh):
+    """Shardings of the optimizer state: each moment like its parameter (so FSDP shards AdamW's state
+    too), counters and other scalars replicated. ``drafter_state`` may be abstract."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    abstract = jax.eval_shape(optimizer.init, drafter_state)
+    param_shardings = jax.tree.map(lambda x: x.sharding, drafter_state)
+    return optax.tree_map_params(optimizer, lambda _, s: s, abstract, param_shardings,
+                                 transform_non_params=lambda _: replicated,
+                                 is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
 def init_opt_state(optimizer, drafter_state, mesh=None):
     """The optimizer state, laid out like the parameters (scalars replicated over the mesh)."""
-    opt_state = jax.jit(optimizer.init)(drafter_state)
     if mesh is None:
-        return opt_state
-    replicated = NamedSharding(mesh, PartitionSpec())
-
-    def place(x):
-        on_mesh = isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
-        return x if on_mesh else jax.device_put(x, replicated)
-
-    return jax.tree.map(place, opt_state)
+        return jax.jit(optimizer.init)(drafter_state)
+    return jax.jit(optimizer.init, out_shardings=opt_state_shardings(optimizer, drafter_state, mesh))(drafter_state)
 
 
 def make_train_step(target_def, drafter_def, optimizer, opts: StepOptions, *, mesh=None, drafter_shardings=None,

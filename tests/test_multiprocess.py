@@ -52,12 +52,11 @@ def _assert_same_drafter(a, b):
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    """Data prepared by two processes (each its share), then checked against one process's."""
+    """The prepared data that every run below trains on (one process)."""
     root = tmp_path_factory.mktemp("mp")
     start = time.perf_counter()
-    mp.run(["train.py", "--config", _config(root, "prep"), "--stage", "prepare"], 2, 4, str(root), "prep")
-    elapsed = time.perf_counter() - start
-    return root, elapsed
+    mp.run(["train.py", "--config", _config(root, "prep"), "--stage", "prepare"], 1, 1, str(root), "prep")
+    return root, time.perf_counter() - start
 
 
 @pytest.fixture(scope="module")
@@ -68,30 +67,36 @@ def two_process_run(workspace):
     return str(root / "two"), logs, time.perf_counter() - start
 
 
+@pytest.mark.slow
 def test_data_preparation_is_shared_and_equals_one_process(workspace, tmp_path):
-    root, seconds = workspace
-    manifest = json.load(open(root / "data" / "manifest.json"))
-    assert manifest["done"] == [0, 1, 2, 3]
-    logs = [open(root / f"prep.{i}.log").read() for i in range(2)]
-    assert all('"processes": 2' in log for log in logs[:1])
-    # One process regenerates the same shards.
-    single = yaml.safe_load(open(_config(root, "prep")))
-    single["data"]["dir"] = str(tmp_path / "data1")
-    (tmp_path / "one.yaml").write_text(yaml.safe_dump(single))
-    mp.run(["train.py", "--config", str(tmp_path / "one.yaml"), "--stage", "prepare"], 1, 1, str(tmp_path), "one")
+    """Two processes prepare the same shards as one, each its share; a lost shard is remade alone."""
+    root, _ = workspace
+    two = yaml.safe_load(open(_config(root, "prep")))
+    two["data"]["dir"] = str(tmp_path / "data2")
+    config = tmp_path / "two.yaml"
+    config.write_text(yaml.safe_dump(two))
+    args = ["train.py", "--config", str(config), "--stage", "prepare"]
+    start = time.perf_counter()
+    logs = mp.run(args, 2, 4, str(tmp_path), "prep")
+    seconds = time.perf_counter() - start
+    assert json.load(open(tmp_path / "data2" / "manifest.json"))["done"] == [0, 1, 2, 3]
+    assert '"processes": 2' in logs[0] and "[process 1]" in logs[1]
     for i in range(4):
-        with np.load(root / "data" / f"shard_{i:05d}.npz") as a, np.load(tmp_path / "data1" / f"shard_{i:05d}.npz") as b:
+        with np.load(root / "data" / f"shard_{i:05d}.npz") as a, np.load(tmp_path / "data2" / f"shard_{i:05d}.npz") as b:
             for key in ("tokens", "loss_mask", "offsets"):
                 np.testing.assert_array_equal(a[key], b[key])
     # A preparation that resumes: a shard lost, rerun with two processes, only that one is remade.
-    os.remove(root / "data" / "shard_00002.npz")
-    m = json.load(open(root / "data" / "manifest.json"))
+    data = tmp_path / "data2"
+    os.remove(data / "shard_00002.npz")
+    m = json.load(open(data / "manifest.json"))
     m["done"] = [0, 1, 3]
-    (root / "data" / "manifest.json").write_text(json.dumps(m))
-    stamp = os.stat(root / "data" / "shard_00001.npz").st_mtime_ns
-    mp.run(["train.py", "--config", _config(root, "prep"), "--stage", "prepare"], 2, 4, str(root), "prep2")
-    assert json.load(open(root / "data" / "manifest.json"))["done"] == [0, 1, 2, 3]
-    assert os.stat(root / "data" / "shard_00001.npz").st_mtime_ns == stamp
+    (data / "manifest.json").write_text(json.dumps(m))
+    stamps = {i: os.stat(data / f"shard_{i:05d}.npz").st_mtime_ns for i in (0, 1, 3)}
+    mp.run(args, 2, 4, str(tmp_path), "prep2")
+    assert json.load(open(data / "manifest.json"))["done"] == [0, 1, 2, 3]
+    assert {i: os.stat(data / f"shard_{i:05d}.npz").st_mtime_ns for i in (0, 1, 3)} == stamps
+    with np.load(root / "data" / "shard_00002.npz") as a, np.load(data / "shard_00002.npz") as b:
+        np.testing.assert_array_equal(a["tokens"], b["tokens"])
     print(f"two-process preparation: {seconds:.1f} s")
 
 
@@ -121,6 +126,7 @@ def test_two_processes_train_retrace_exactly_as_one(workspace):
     _assert_same_drafter(_drafter(str(root / "r1")), _drafter(str(root / "r2")))
 
 
+@pytest.mark.slow
 def test_kill_one_process_and_resume(workspace, two_process_run):
     """kill -9 one process after the checkpoint at step 4, then restart both: the run resumes from the
     last checkpoint and exports the drafter of the uninterrupted run."""
@@ -161,6 +167,7 @@ def test_kill_one_process_and_resume(workspace, two_process_run):
     print(f"killed at step {killed_at}, resumed from {resumed[0]['step']}; kill + resume {seconds:.1f} s")
 
 
+@pytest.mark.slow
 def test_generation_on_a_mesh_across_processes(tmp_path):
     start = time.perf_counter()
     logs = mp.run(["tests/multiprocess_generate.py", str(tmp_path)], 2, 4, str(tmp_path), "gen")
