@@ -86,7 +86,7 @@ class MetricsLog:
     only (prefixed with their index) so that one file holds the run."""
 
     def __init__(self, out: str, tensorboard: bool | str = "auto", echo: bool = True):
-        self.echo, self.metrics, self.writer = echo, None, None
+        self.echo, self.metrics, self.writer, self._open_writer = echo, None, None, None
         self.process = jax.process_index()
         if self.process != 0:
             return
@@ -101,7 +101,8 @@ class MetricsLog:
                     raise ConfigurationError("train.tensorboard is true but tensorboardX is not installed: "
                                              "pip install 'retrace-jax[tensorboard]'") from None
                 return
-            self.writer = SummaryWriter(logdir=os.path.join(out, "tensorboard"))
+            # opened with the first record, so that a run refused at start leaves no empty event file
+            self._open_writer = lambda: SummaryWriter(logdir=os.path.join(out, "tensorboard"))
 
     def __call__(self, record: dict) -> None:
         line = json.dumps(record)
@@ -111,7 +112,9 @@ class MetricsLog:
             return
         self.metrics.write(line + "\n")
         self.metrics.flush()
-        if self.writer is not None and "step" in record:
+        if self._open_writer is not None and "step" in record and record.get("event", "eval") == "eval":
+            if self.writer is None:
+                self.writer = self._open_writer()
             group = "eval" if record.get("event") == "eval" else "train"
             for key, value in record.items():
                 if key not in ("step", "event") and isinstance(value, (int, float)) and not isinstance(value, bool) \
@@ -125,4 +128,4 @@ class MetricsLog:
             self.metrics = None
         if self.writer is not None:
             self.writer.close()
-            self.writer = None
+        self.writer, self._open_writer = None, None

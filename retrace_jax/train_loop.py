@@ -239,8 +239,9 @@ def _run(cfg: TrainConfig, target, drafter, data, eval_ids, mesh, ckpts, start, 
     if step >= t.steps:
         drafter = nnx.merge(drafter_def, drafter_state)
         if eval_ids:
-            summary.update({k: v for k, v in evaluate(target, drafter, eval_ids, t.eval_max_new_tokens, mesh,
-                                                      step).items() if k != "event"})
+            record = evaluate(target, drafter, eval_ids, t.eval_max_new_tokens, mesh, step)
+            log(record)
+            summary.update({k: v for k, v in record.items() if k not in ("event", "step")})
         summary["drafter"] = export_drafter(drafter, os.path.join(cfg.out, "drafter"))
         log({"event": "done", **summary})
     return summary

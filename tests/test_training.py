@@ -245,18 +245,21 @@ def test_metrics_go_to_tensorboard_when_it_is_installed(dflash_run):
 
     out = dflash_run[0]
     files = os.listdir(os.path.join(out, "tensorboard"))
-    assert len(files) == 1 and files[0].startswith("events.out.tfevents")
-    losses = {}
-    with open(os.path.join(out, "tensorboard", files[0]), "rb") as f:
-        data = f.read()
-    pos = 0
-    while pos < len(data):  # TFRecord: length, its CRC, the Event, its CRC
-        n = int.from_bytes(data[pos:pos + 8], "little")
-        event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
-        pos += 16 + n
-        for v in event.summary.value:
-            if v.tag == "train/loss":
-                losses[event.step] = v.simple_value
+    assert files and all(f.startswith("events.out.tfevents") for f in files)
+    losses, tags = {}, set()
+    for name in files:  # one per run that logged into this directory
+        with open(os.path.join(out, "tensorboard", name), "rb") as f:
+            data = f.read()
+        pos = 0
+        while pos < len(data):  # TFRecord: length, its CRC, the Event, its CRC
+            n = int.from_bytes(data[pos:pos + 8], "little")
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 16 + n
+            for v in event.summary.value:
+                tags.add(v.tag)
+                if v.tag == "train/loss":
+                    losses[event.step] = v.simple_value
+    assert {"train/grad_norm", "train/tau", "train/tokens_per_s", "eval/eval_tau"} <= tags
     jsonl = {r["step"]: r["loss"] for r in _records(out) if "loss" in r}
     assert sorted(losses) == sorted(jsonl)
     np.testing.assert_allclose([losses[s] for s in jsonl], list(jsonl.values()), rtol=1e-6)
