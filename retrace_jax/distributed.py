@@ -4,7 +4,8 @@
 
 * ``JAX_COORDINATOR_ADDRESS`` (``host:port`` of process 0) with ``JAX_NUM_PROCESSES`` and
   ``JAX_PROCESS_ID`` -- explicit, e.g. several CPU processes on one machine;
-* a TPU pod slice, SLURM (more than one task) or Open MPI -- JAX detects the topology itself.
+* a TPU pod slice, SLURM (more than one task), Open MPI, GKE or Kubernetes -- JAX detects the
+  topology itself.
 
 CPU devices exchange collectives through gloo, which must be chosen before initialising (it changes
 nothing on TPU or GPU).
@@ -18,13 +19,22 @@ import jax
 
 
 def launch_detected() -> bool:
-    """Whether this process looks like one of several (an explicit coordinator or a cluster launch)."""
+    """Whether this process looks like one of several: an explicit coordinator, or a cluster that JAX
+    itself recognises (SLURM, Open MPI, a Cloud TPU VM, GKE, Kubernetes)."""
     env = os.environ
     if env.get("JAX_COORDINATOR_ADDRESS") or env.get("COORDINATOR_ADDRESS"):
         return True
     if int(env.get("SLURM_NTASKS", "1") or 1) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1:
         return True
-    return "," in env.get("TPU_WORKER_HOSTNAMES", "")  # a multi-host TPU slice
+    if "," in env.get("TPU_WORKER_HOSTNAMES", ""):  # a multi-host TPU slice
+        return True
+    try:  # the detection jax.distributed.initialize() runs (a private module: absent in some versions)
+        from jax._src import clusters
+
+        return any(c.is_env_present() for c in clusters.ClusterEnv._cluster_types
+                   if c.__name__ not in ("Mpi4pyCluster", "SlurmCluster"))  # opt-in; SLURM: checked above
+    except Exception:  # noqa: BLE001 - detection is best effort; train.distributed: true forces it
+        return False
 
 
 def initialize(setting: bool | str = "auto") -> bool:
@@ -34,7 +44,6 @@ def initialize(setting: bool | str = "auto") -> bool:
         return True
     if setting is False or (setting == "auto" and not launch_detected()):
         return False
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     env = os.environ
     kwargs = {}
     if env.get("JAX_COORDINATOR_ADDRESS"):
@@ -45,6 +54,7 @@ def initialize(setting: bool | str = "auto") -> bool:
                     kwargs[key] = int(env[name])
                 except ValueError:
                     raise ValueError(f"{name} must be an integer, got {env[name]!r}") from None
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**kwargs)
     return True
 

@@ -14,6 +14,7 @@ import pytest
 import yaml
 from safetensors.numpy import load_file
 
+from retrace_jax.data import PrepareSettings, prepare_shards
 from tests import multiprocess as mp
 
 CONFIG = {
@@ -52,11 +53,17 @@ def _assert_same_drafter(a, b):
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    """The prepared data that every run below trains on (one process)."""
+    """The prepared data that every training run below reads: random responses, written directly (the
+    multi-process preparation has its own test)."""
     root = tmp_path_factory.mktemp("mp")
-    start = time.perf_counter()
-    mp.run(["train.py", "--config", _config(root, "prep"), "--stage", "prepare"], 1, 1, str(root), "prep")
-    return root, time.perf_counter() - start
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(0, 512, (6,)).tolist() for _ in range(32)]
+    settings = PrepareSettings(num_prompts=32, shard_size=8, max_prompt_len=1024, max_new_tokens=20,
+                               source="random")
+    prepare_shards(str(root / "data"), prompts, settings, progress=False,
+                   generate_fn=lambda chunk, first: [rng.randint(0, 512, (20,)).tolist() for _ in chunk])
+    (root / "data" / "eval_prompts.json").write_text("[]")
+    return root, 0.0
 
 
 @pytest.fixture(scope="module")
@@ -71,18 +78,21 @@ def two_process_run(workspace):
 def test_data_preparation_is_shared_and_equals_one_process(workspace, tmp_path):
     """Two processes prepare the same shards as one, each its share; a lost shard is remade alone."""
     root, _ = workspace
-    two = yaml.safe_load(open(_config(root, "prep")))
-    two["data"]["dir"] = str(tmp_path / "data2")
-    config = tmp_path / "two.yaml"
-    config.write_text(yaml.safe_dump(two))
-    args = ["train.py", "--config", str(config), "--stage", "prepare"]
+    configs = {}
+    for name in ("data1", "data2"):
+        cfg = yaml.safe_load(open(_config(root, "prep")))
+        cfg["data"]["dir"] = str(tmp_path / name)
+        configs[name] = tmp_path / f"{name}.yaml"
+        configs[name].write_text(yaml.safe_dump(cfg))
+    mp.run(["train.py", "--config", str(configs["data1"]), "--stage", "prepare"], 1, 1, str(tmp_path), "prep1")
+    args = ["train.py", "--config", str(configs["data2"]), "--stage", "prepare"]
     start = time.perf_counter()
     logs = mp.run(args, 2, 4, str(tmp_path), "prep")
     seconds = time.perf_counter() - start
     assert json.load(open(tmp_path / "data2" / "manifest.json"))["done"] == [0, 1, 2, 3]
     assert '"processes": 2' in logs[0] and "[process 1]" in logs[1]
     for i in range(4):
-        with np.load(root / "data" / f"shard_{i:05d}.npz") as a, np.load(tmp_path / "data2" / f"shard_{i:05d}.npz") as b:
+        with np.load(tmp_path / "data1" / f"shard_{i:05d}.npz") as a, np.load(tmp_path / "data2" / f"shard_{i:05d}.npz") as b:
             for key in ("tokens", "loss_mask", "offsets"):
                 np.testing.assert_array_equal(a[key], b[key])
     # A preparation that resumes: a shard lost, rerun with two processes, only that one is remade.
@@ -95,7 +105,7 @@ def test_data_preparation_is_shared_and_equals_one_process(workspace, tmp_path):
     mp.run(args, 2, 4, str(tmp_path), "prep2")
     assert json.load(open(data / "manifest.json"))["done"] == [0, 1, 2, 3]
     assert {i: os.stat(data / f"shard_{i:05d}.npz").st_mtime_ns for i in (0, 1, 3)} == stamps
-    with np.load(root / "data" / "shard_00002.npz") as a, np.load(data / "shard_00002.npz") as b:
+    with np.load(tmp_path / "data1" / "shard_00002.npz") as a, np.load(data / "shard_00002.npz") as b:
         np.testing.assert_array_equal(a["tokens"], b["tokens"])
     print(f"two-process preparation: {seconds:.1f} s")
 

@@ -111,3 +111,23 @@ def test_a_renamed_key_keeps_working(config, monkeypatch):
     with pytest.warns(DeprecationWarning, match="'train.learning_rate' is now 'train.lr'"):
         cfg = load_config(config, ["train.learning_rate=2e-3"])
     assert cfg.train.lr == 2e-3
+
+
+def test_multi_process_launches_are_detected(monkeypatch):
+    from retrace_jax import distributed
+
+    for key in ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE",
+                "TPU_WORKER_HOSTNAMES"):
+        monkeypatch.delenv(key, raising=False)
+    assert not distributed.launch_detected()
+    assert distributed.initialize("auto") is False and distributed.initialize(False) is False
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert not distributed.launch_detected()
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert distributed.launch_detected()
+    monkeypatch.delenv("SLURM_NTASKS")
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
+    assert distributed.launch_detected()
+    monkeypatch.setenv("JAX_PROCESS_ID", "first")
+    with pytest.raises(ValueError, match="JAX_PROCESS_ID must be an integer, got 'first'"):
+        distributed.initialize("auto")

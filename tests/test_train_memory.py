@@ -19,7 +19,8 @@ def test_qwen3_4b_retrace_config_is_the_published_recipe_and_its_step_builds():
     cfg = load_config(os.path.join(ROOT, "configs", "qwen3_4b_retrace.yaml"))
     d, t = cfg.data, cfg.train
     assert (d.num_prompts, d.max_new_tokens, d.drop_long_prompts) == (40000, 1024, True)
-    assert t.steps * t.batch_size == 8 * d.num_prompts and t.batch_size == 32  # 8 epochs, global batch 32
+    assert t.steps * t.batch_size == 8 * d.num_prompts  # 8 epochs
+    assert t.batch_size * t.grad_accum == 32 and t.steps // t.grad_accum == 10000  # global batch 32 per update
     assert (t.lr, t.weight_decay, t.warmup_frac, t.beta_warmup_steps) == (5e-5, 0.01, 0.05, 50)
     assert t.objective == "retrace" and t.memory_dtype == "float16" and cfg.drafter.init
     assert (cfg.drafter.block_size, cfg.drafter.num_layers) == (16, 5)
