@@ -16,7 +16,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from retrace_jax.dflash_loss import dflash_loss, sample_anchors
+from retrace_jax.dflash_loss import TRAIN_MESH, dflash_loss, sample_anchors
 from retrace_jax.retrace_loss import CORRECTION_SOURCES, retrace_loss
 from retrace_jax.sharding import batch_sharding
 
@@ -121,6 +121,21 @@ def init_opt_state(optimizer, drafter_state, mesh=None):
     return jax.jit(optimizer.init, out_shardings=opt_state_shardings(optimizer, drafter_state, mesh))(drafter_state)
 
 
+def _under_mesh(fn, mesh):
+    """``fn`` traced with ``mesh`` in ``TRAIN_MESH``, so that the losses pin activations to the batch
+    axes (see ``dflash_loss.batch_sharded``)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args):
+        token = TRAIN_MESH.set(mesh)
+        try:
+            return fn(*args)
+        finally:
+            TRAIN_MESH.reset(token)
+
+    return wrapped
+
+
 def make_train_step(target_def, drafter_def, optimizer, opts: StepOptions, *, mesh=None, drafter_shardings=None,
                     opt_shardings=None, precomputed_features=False):
     """The jitted step ``(target_state, drafter_state, opt_state, tokens, loss_mask, step, seed[, features])
@@ -133,6 +148,7 @@ def make_train_step(target_def, drafter_def, optimizer, opts: StepOptions, *, me
     fn = functools.partial(_step, target_def=target_def, drafter_def=drafter_def, optimizer=optimizer, opts=opts)
     if mesh is None:
         return jax.jit(fn, donate_argnums=(1, 2))
+    fn = _under_mesh(fn, mesh)
     batch, replicated = batch_sharding(mesh, 2), NamedSharding(mesh, PartitionSpec())
     in_shardings = (None, drafter_shardings, opt_shardings, batch, batch, replicated, replicated)
     if precomputed_features:
