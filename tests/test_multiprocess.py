@@ -45,10 +45,15 @@ def _drafter(out):
     return load_file(os.path.join(out, "drafter", "model.safetensors"))
 
 
-def _assert_same_drafter(a, b):
+def _assert_same_drafter(a, b) -> float:
+    """Every exported weight equal within float32 reduction-order noise (collectives through gloo sum in
+    another order than inside one process); returns the largest difference."""
     assert a.keys() == b.keys()
     for name in a:
-        np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-7, err_msg=name)
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    worst = max(float(np.max(np.abs(a[k].astype(np.float64) - b[k]))) for k in a)
+    print(f"largest weight difference: {worst:.2e}")
+    return worst
 
 
 @pytest.fixture(scope="module")

@@ -31,11 +31,12 @@ def test_qwen3_4b_retrace_config_is_the_published_recipe_and_its_step_builds():
     assert all(jax.tree.leaves(same(new_drafter, drafter_state))) and all(jax.tree.leaves(same(new_opt, opt_state)))
     assert {"loss", "loss_round1", "loss_round2", "beta", "grad_norm"} <= set(metrics)
     assert metrics["loss"].shape == () and metrics["slot_accuracy"].shape == (16,)
-    # Sizes: a 4.0B-parameter bf16 target, a float32 drafter with its ReTrace module, AdamW's two moments.
+    # Sizes: a 4.0B-parameter bf16 target, a float32 drafter with its ReTrace module, AdamW's two moments
+    # and the gradient accumulator of the 4 micro-steps.
     assert 7.4 < per_device_bytes(target_state) / 2**30 < 7.6
     drafter_params = per_device_bytes(drafter_state) // 4
     assert 0.5e9 < drafter_params < 0.6e9
-    assert per_device_bytes(opt_state) == pytest.approx(2 * per_device_bytes(drafter_state), rel=1e-4)
+    assert per_device_bytes(opt_state) == pytest.approx(3 * per_device_bytes(drafter_state), rel=1e-4)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(drafter_state))
 
 
