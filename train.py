@@ -17,7 +17,7 @@ Several processes (one per host) run the same command; see docs/training.md. On 
     JAX_COORDINATOR_ADDRESS=127.0.0.1:12345 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=1 python train.py --config C
 
 Errors (a bad configuration, a missing file, a diverged run) print one ``error: ...`` line and exit
-with status 1; ``--traceback`` shows the whole traceback instead.
+with status 1; ``--traceback`` (or ``RETRACE_JAX_TRACEBACK=1``, as for decode.py) shows the traceback.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def main(argv=None):
     try:
         return run(args)
     except USER_ERRORS as err:
-        if args.traceback:
+        if args.traceback or os.environ.get("RETRACE_JAX_TRACEBACK"):
             raise
         raise SystemExit(f"error: {one_line(err)}") from None
 

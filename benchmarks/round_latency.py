@@ -1,6 +1,6 @@
-"""Per-round latency split of speculative decoding against one plain decode step, each piece jitted
-and timed alone (batch 1, after compilation): the plain step, the drafter's block, the target's
-verification of the block, and the drafter context-cache update.
+"""Per-round latency of speculative decoding against one plain decode step (batch 1, after compilation):
+the library's own ``plain_step`` and ``speculative_round`` (through ``SpeculativeStepper``), jitted one at a
+time, and inside them the drafter's block and the target's verification pass alone.
 
     python benchmarks/round_latency.py                          # the tiny target (d=128)
     python benchmarks/round_latency.py --width 1024 --layers 8 --vocab 32768
@@ -28,26 +28,19 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
+from benchmarks.device_check import PRESETS  # noqa: E402  (Qwen3-4B/8B shapes, published drafter)
 from benchmarks.report import report  # noqa: E402
-from retrace_jax.speculative_loop import draft_block  # noqa: E402
+from retrace_jax.plain_loop import plain_init, plain_step  # noqa: E402
+from retrace_jax.sampling import SamplingParams  # noqa: E402
+from retrace_jax.speculative_loop import SpeculativeStepper, draft_block  # noqa: E402
 from retrace_jax.tiny import TINY_QWEN3, tiny_target  # noqa: E402
 
 
-# Qwen3-4B and Qwen3-8B shapes with the published DFlash drafter for them (5 layers, block 16)
-QWEN3_COMMON = dict(num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, vocab_size=151936,
-                    rope_theta=1000000.0, max_position_embeddings=40960)
-PRESETS = {
-    "qwen3-4b": (dataclasses.replace(TINY_QWEN3, hidden_size=2560, intermediate_size=9728, **QWEN3_COMMON), 5, 16),
-    "qwen3-8b": (dataclasses.replace(TINY_QWEN3, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False,
-                                     **QWEN3_COMMON), 5, 16),
-}
-
-
-def timed(fn, *args, n):
-    jax.block_until_ready(fn(*args))
+def timed(fn, n):
+    jax.block_until_ready(fn())
     start = time.perf_counter()
     for _ in range(n):
-        out = fn(*args)
+        out = fn()
     jax.block_until_ready(out)
     return 1e3 * (time.perf_counter() - start) / n
 
@@ -77,7 +70,7 @@ def main():
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--target", default=None, help="a Hugging Face directory instead of random weights")
     p.add_argument("--drafter", default=None, help="a drafter directory for --target (default: a random one)")
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="random weights of this model's shape")
+    p.add_argument("--preset", default=None, choices=sorted(set(PRESETS) - {"smoke"}), help="random weights of this model's shape")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -104,46 +97,44 @@ def main():
                                   block_size=args.block_size, dtype=jnp.dtype(args.dtype))
     tdef, tstate = nnx.split(target)
     ddef, dstate = nnx.split(drafter)
-    k, size = args.block_size, args.context + 2 * args.block_size
-    lengths = jnp.full((1,), args.context, jnp.int32)
-    tcache = target.init_cache(1, size).replace(lengths=lengths)
-    dcache = drafter.init_cache(1, size).replace(lengths=lengths)
+    k = args.block_size
     ids = drafter.cfg.target_layer_ids
+    sampling, stops = SamplingParams.make(), jnp.full((8,), -1, jnp.int32)
+    tokens = jnp.asarray([[1 + i % (cfg.vocab_size - 1) for i in range(args.context)]], jnp.int32)
+    lens, live = jnp.full((1,), args.context, jnp.int32), jnp.ones((1,), bool)
 
-    @jax.jit
-    def plain_step(ts, cache, tok):
-        m = nnx.merge(tdef, ts)
-        out = m(tok, cache)
-        return jnp.argmax(m.logits(out.hidden), -1), out.cache
+    # the library's own step and round functions, jitted one at a time
+    plain_consts, plain_carry = jax.jit(lambda s: plain_init(nnx.merge(tdef, s), tokens, lens, live, 10**6, stops,
+                                                             sampling, capacity=2 * k + 16))(tstate)
+    step = jax.jit(lambda s, consts, c: plain_step(nnx.merge(tdef, s), consts, c).buf.num)
+    stepper = SpeculativeStepper(target, drafter, capacity=2 * k + 16, block_size=k)
+    first = stepper.init(tokens, lens, live, 10**6, stops, sampling)
+
+    def one_round():
+        stepper.carry = first
+        return stepper.step().accepted_b
 
     @jax.jit
     def verify(ts, cache, block):
-        m = nnx.merge(tdef, ts)
-        out = m(block, cache, feature_layers=ids)
-        return jnp.argmax(m.logits(out.hidden), -1), out.cache, out.features
+        return nnx.merge(tdef, ts)(block, cache, feature_layers=ids).hidden
 
     @jax.jit
     def draft(ts, ds, cache, anchor):
         m, d = nnx.merge(tdef, ts), nnx.merge(ddef, ds)
         return jnp.argmax(m.logits(draft_block(m, d, anchor, cache, k)[:, 1:]), -1)
 
-    @jax.jit
-    def extend(ds, cache, features):
-        return nnx.merge(ddef, ds).extend_cache(features, cache)
-
-    features = verify(tstate, tcache, jnp.zeros((1, k), jnp.int32))[2]
     ms = {
-        "plain_step_ms": timed(plain_step, tstate, tcache, jnp.zeros((1, 1), jnp.int32), n=args.iters),
-        "draft_ms": timed(draft, tstate, dstate, dcache, jnp.zeros((1,), jnp.int32), n=args.iters),
-        "verify_ms": timed(verify, tstate, tcache, jnp.zeros((1, k), jnp.int32), n=args.iters),
-        "context_update_ms": timed(extend, dstate, dcache, features, n=args.iters),
+        "plain_step_ms": timed(lambda: step(tstate, plain_consts, plain_carry), n=args.iters),
+        "draft_ms": timed(lambda: draft(tstate, dstate, first.draft_cache, first.anchor_b), n=args.iters),
+        "verify_ms": timed(lambda: verify(tstate, first.target_cache, jnp.zeros((1, k), jnp.int32)), n=args.iters),
+        "round_ms": timed(one_round, n=args.iters),
     }
-    round_ms = ms["draft_ms"] + ms["verify_ms"] + ms["context_update_ms"]
+    round_ms = ms["round_ms"]
     # the same inside rj.generate's loop, where acceptance, commits and the ReTrace memory also run
     prompt = [[1 + i % (cfg.vocab_size - 1) for i in range(args.context)]]
     ms["plain_step_in_loop_ms"] = in_loop_ms(target, prompt, {}, args.iters)
     ms["round_in_loop_ms"] = in_loop_ms(target, prompt, {"drafter": drafter}, args.iters)
-    ms["bookkeeping_ms"] = ms["round_in_loop_ms"] - round_ms
+    ms["rest_of_round_ms"] = round_ms - ms["draft_ms"] - ms["verify_ms"]  # context update, acceptance, memory
     result = {"target": described,
               "drafter": f"{drafter.cfg.num_layers} layers, block {k}" + (" (ReTrace)" if drafter.cfg.retrace else ""),
               "device": jax.devices()[0].platform, "context": args.context,

@@ -17,9 +17,17 @@ are skipped (and counted), never cut.
   per-prompt means) and ``tau_pooled`` (over all rounds). A ReTrace drafter is also run with its memory
   off (``NAME-off``: ``use_retrace=False``), the ablation. At T = 0 every method's tokens are checked
   against plain greedy decoding.
-- **Speed** comes from batch-1 runs of ``--speed-prompts`` prompts per dataset, each timed on a second
-  pass after compilation: tokens/s of plain and speculative decoding side by side in the same process,
-  and their ratio (the speedup).
+- **Speed** comes from batch-1 runs of ``--speed-prompts`` prompts per dataset, with two conventions
+  (``benchmarks/speed.py``): **end to end** (new tokens / wall time, prefill included) and **decode
+  only** (tokens after the first / time after prefill, the official benchmark's convention; prefill is
+  timed as the same compiled program stopped at its first token). Each time is the median of
+  ``--repeats`` runs (at least 3) after a compiling run, plain and speculative alternating in one
+  process; the speedups are ratios of tokens/s pooled over each dataset's prompts, against plain decoding
+  (the loop with one target forward per token: the official baseline's block size 1).
+- **Draft rule at T > 0** (``--draft-rule``, recorded in the JSON): ``argmax`` (default: one-hot
+  rejection sampling), ``target_sample`` (the official DFlash rule: argmax proposals accepted while they
+  equal the target's own samples) or ``sample`` (proposals drawn from the drafter). The first two give the
+  same distribution of tokens and τ.
 """
 
 from __future__ import annotations
@@ -37,11 +45,13 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
+from benchmarks.speed import rates, time_methods  # noqa: E402
 from retrace_jax.data import chat_encoder, load_tokenizer  # noqa: E402
+from retrace_jax.generation import DRAFT_RULES  # noqa: E402
 
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
-DEFAULT_SPEC_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data",
-                                  "spec_bench_questions.jsonl")
+# the Spec-Bench questions, vendored (benchmarks/data/SOURCES.md)
+DEFAULT_SPEC_BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "spec_bench_questions.jsonl.gz")
 DEFAULT_HUMANEVAL = os.path.join(os.path.expanduser("~"), ".cache", "retrace_jax", "data", "humaneval.jsonl")
 
 
@@ -52,15 +62,19 @@ def read_datasets(spec_bench: str, humaneval: str) -> dict[str, list[str]]:
         if not os.path.isfile(path):
             raise SystemExit(f"prompt file not found: {path}" + (" (python scripts/fetch_assets.py humaneval)"
                                                                  if path == humaneval else ""))
-    with open(spec_bench) as f:
+    with _open_text(spec_bench) as f:
         for line in f:
             r = json.loads(line)
             sets["mt_bench" if r["category"] in MT_BENCH else r["category"]].append(r["turns"][0])
-    opener = gzip.open if humaneval.endswith(".gz") else open
-    with opener(humaneval, "rt") as f:
+    with _open_text(humaneval) as f:
         for line in f:
             sets["humaneval"].append(json.loads(line)["prompt"])
     return dict(sets)
+
+
+def _open_text(path: str):
+    """A text file, gzip-compressed when its name ends in ``.gz``."""
+    return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
 
 
 def pick(ids: list[list[int]], n: int, max_len: int) -> tuple[list[list[int]], int]:
@@ -93,7 +107,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True)
     p.add_argument("--drafter", action="append", default=[], help="NAME=DIR (repeatable)")
-    p.add_argument("--spec-bench", default=DEFAULT_SPEC_BENCH)
+    p.add_argument("--spec-bench", default=DEFAULT_SPEC_BENCH, help="Spec-Bench questions (JSONL, optionally .gz; "
+                   "default: the vendored copy in benchmarks/data)")
     p.add_argument("--humaneval", default=DEFAULT_HUMANEVAL)
     p.add_argument("--per-dataset", type=int, default=12, help="prompts per dataset for τ")
     p.add_argument("--speed-prompts", type=int, default=1, help="prompts per dataset timed at batch 1")
@@ -105,9 +120,14 @@ def main(argv=None):
     p.add_argument("--sampled-methods", default=None,
                    help="methods run at T > 0 (comma separated; default: all)")
     p.add_argument("--speed-temperatures", default="0", help="temperatures of the batch-1 speed runs")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and method (median; >= 3)")
+    p.add_argument("--draft-rule", default="argmax", choices=DRAFT_RULES,
+                   help="speculative sampling rule at T > 0 (target_sample: the official DFlash rule)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--plot", default=None, help="write the acceptance-length distribution (PNG) here")
     args = p.parse_args(argv)
+    if args.repeats < 3:
+        p.error(f"--repeats must be at least 3 (times are medians), got {args.repeats}")
 
     target = rj.load_target(os.path.expanduser(args.target))
     tokenizer = load_tokenizer(os.path.expanduser(args.target))
@@ -116,9 +136,9 @@ def main(argv=None):
     drafters = {name: rj.load_drafter(path, target) for name, path in parse_drafters(args.drafter)}
     methods: dict[str, dict] = {"plain": {}}
     for name, d in drafters.items():
-        methods[name] = {"drafter": d}
+        methods[name] = {"drafter": d, "draft_rule": args.draft_rule}
         if d.cfg.retrace is not None:
-            methods[f"{name}-off"] = {"drafter": d, "use_retrace": False}
+            methods[f"{name}-off"] = {"drafter": d, "use_retrace": False, "draft_rule": args.draft_rule}
     temperatures = [float(t) for t in args.temperatures.split(",")]
 
     datasets, skipped = {}, {}
@@ -131,6 +151,7 @@ def main(argv=None):
 
     result = {"target": args.target, "drafters": dict(parse_drafters(args.drafter)),
               "per_dataset": args.per_dataset, "max_new_tokens": args.max_new_tokens,
+              "draft_rule": args.draft_rule, "repeats": args.repeats,
               "max_prompt_len": args.max_prompt_len, "skipped_too_long": skipped,
               "prompt_tokens_mean": {n: round(float(np.mean([len(p) for p in ps])), 1) for n, ps in datasets.items()},
               "tau": {}, "lengths": {}, "lossless_T0": {}, "speed": {}}
@@ -169,25 +190,23 @@ def main(argv=None):
             save(result, args.out)  # after every run: an interrupted evaluation keeps what it measured
 
     speed_methods = [m for m in args.speed_methods.split(",") if m in methods]
+    result["speed_decode"], result["speed_runs"] = {}, {}
     for temp in [float(t) for t in args.speed_temperatures.split(",") if t]:
         key = f"T={temp:g}"
-        timings: dict[str, dict[str, list[float]]] = {m: collections.defaultdict(lambda: [0.0, 0.0]) for m in speed_methods}
+        runs: dict[str, dict[str, list[dict]]] = {m: collections.defaultdict(list) for m in speed_methods}
         for name, ps in datasets.items():
             for ids in ps[: args.speed_prompts]:
-                for method in speed_methods:
-                    run = lambda: rj.generate(target, [ids], args.max_new_tokens, temperature=temp,  # noqa: E731
-                                              stop_token_ids=stops, seed=0, **methods[method])
-                    run()  # compiles (or reuses) the program of this bucket
-                    start = time.perf_counter()
-                    out = run()
-                    timings[method][name][0] += len(out.tokens[0])
-                    timings[method][name][1] += time.perf_counter() - start
-        speed = {}
+                timed = time_methods(target, ids, args.max_new_tokens, {m: methods[m] for m in speed_methods},
+                                     args.repeats, stops, temperature=temp, seed=0)
+                for method, t in timed.items():
+                    runs[method][name].append(t)
+        result["speed"][key], result["speed_decode"][key] = {}, {}
         for method in speed_methods:
-            speed[method] = {name: round(t / s, 2) for name, (t, s) in timings[method].items()}
-            tot = np.sum(list(timings[method].values()), axis=0)
-            speed[method]["all"] = round(float(tot[0] / tot[1]), 2)
-        result["speed"][key] = speed
+            per_set = {name: rates(v) for name, v in runs[method].items()}
+            per_set["all"] = rates([t for v in runs[method].values() for t in v])
+            result["speed"][key][method] = {n: round(r["end_to_end"], 2) for n, r in per_set.items()}
+            result["speed_decode"][key][method] = {n: round(r["decode"], 2) for n, r in per_set.items()}
+        result["speed_runs"][key] = {m: dict(v) for m, v in runs.items()}
         print(f"[{key}] speed done", flush=True)
         save(result, args.out)
 
@@ -214,18 +233,19 @@ def print_tables(result: dict) -> None:
         for s in sets:
             cells = [f"{by_method[m][s]['tau']:.2f} / {by_method[m][s]['tau_pooled']:.2f}" for m in methods]
             print(f"| {s} | " + " | ".join(cells) + " |")
-    for key, by_method in result["speed"].items():
-        if "plain" not in by_method:
-            continue
-        plain = by_method["plain"]
-        print(f"\nbatch-1 tokens/s at {key} (speedup over plain)")
-        methods = list(by_method)
-        print("| dataset | " + " | ".join(methods) + " |")
-        print("|---|" + "---|" * len(methods))
-        for s in plain:
-            cells = [f"{by_method[m][s]:.1f}" + ("" if m == "plain" else f" ({by_method[m][s] / plain[s]:.2f}x)")
-                     for m in methods]
-            print(f"| {s} | " + " | ".join(cells) + " |")
+    for table, title in (("speed", "end to end (prefill included)"), ("speed_decode", "decode only (after prefill)")):
+        for key, by_method in result.get(table, {}).items():
+            if "plain" not in by_method:
+                continue
+            plain = by_method["plain"]
+            print(f"\nbatch-1 tokens/s at {key}, {title} (speedup over plain)")
+            methods = list(by_method)
+            print("| dataset | " + " | ".join(methods) + " |")
+            print("|---|" + "---|" * len(methods))
+            for s in plain:
+                cells = [f"{by_method[m][s]:.1f}" + ("" if m == "plain" else f" ({by_method[m][s] / plain[s]:.2f}x)")
+                         for m in methods]
+                print(f"| {s} | " + " | ".join(cells) + " |")
     if result["lossless_T0"]:
         print("\ngreedy outputs differing from plain decoding:",
               {m: f"{v['differing_from_plain']}/{v['rows']}" for m, v in result["lossless_T0"].items()})

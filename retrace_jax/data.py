@@ -4,6 +4,11 @@ Each shard ``shard_NNNNN.npz`` holds a run of sequences (prompt + the target's r
 ``tokens`` / ``loss_mask`` (1 on response tokens) with ``offsets``; ``manifest.json`` records the
 settings and the shards finished, so an interrupted preparation resumes where it stopped and never
 rewrites a finished shard.
+
+Prompts are never cut: a prompt longer than ``max_prompt_len`` tokens is left out (:func:`drop_long`,
+which counts them) or, when the caller keeps every prompt, refused (:func:`check_prompt_lengths`). Cutting
+would remove the end of the chat template (the assistant header), so the target would "answer" a
+truncated user turn and the drafter would be trained on that.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from retrace_jax.config import short_repr
+
 MANIFEST = "manifest.json"
 
 
@@ -25,31 +32,60 @@ class DataError(ValueError):
 
 # ---------------------------------------------------------------------------------------------- prompts
 
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def _message_list(record: dict, key: str, where: str) -> list:
+    value = record[key]
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: '{key}' must be a non-empty list of messages, got {short_repr(value)}")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise DataError(f"{where}: {key}[{i}] must be an object, got {short_repr(m)}")
+    return value
+
+
 def _first_user_turn(record: dict, where: str) -> list[dict]:
-    """The conversation up to and including its first user message, as chat messages."""
-    if "messages" in record:  # OpenAI style
-        msgs = [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
+    """The conversation up to and including its first user message, as chat messages. A record of the
+    wrong shape is a ``DataError`` naming ``where`` (file:line) and the field; messages after the first
+    user turn are not looked at."""
+    if "messages" in record:  # OpenAI style: (message, its role key, its content key, its name)
+        msgs = [(m, "role", "content", f"messages[{i}]") for i, m in enumerate(_message_list(record, "messages", where))]
     elif "conversations" in record:  # ShareGPT
-        roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-        msgs = [{"role": roles.get(m.get("from"), m.get("from")), "content": m.get("value", "")}
-                for m in record["conversations"]]
+        msgs = [(m, "from", "value", f"conversations[{i}]")
+                for i, m in enumerate(_message_list(record, "conversations", where))]
     elif "prompt" in record:
-        msgs = [{"role": "user", "content": record["prompt"]}]
+        msgs = [({"role": "user", "prompt": record["prompt"]}, "role", "prompt", "record")]
     elif "turns" in record:  # Spec-Bench / MT-Bench questions
-        msgs = [{"role": "user", "content": record["turns"][0]}]
+        turns = record["turns"]
+        if not isinstance(turns, list) or not turns:
+            raise DataError(f"{where}: 'turns' must be a non-empty list of strings, got {short_repr(turns)}")
+        msgs = [({"role": "user", "turns[0]": turns[0]}, "role", "turns[0]", "record")]
     else:
         raise DataError(f"{where}: a record needs 'messages', 'conversations', 'prompt' or 'turns'")
-    for i, m in enumerate(msgs):
-        if m["role"] == "user":
-            if not isinstance(m["content"], str) or not m["content"].strip():
-                raise DataError(f"{where}: the first user message is empty")
-            return msgs[: i + 1]
+    chat = []
+    for m, role_key, content_key, name in msgs:
+        for key in (role_key, content_key):
+            if key not in m:
+                raise DataError(f"{where}: {name} has no '{key}'")
+        if not isinstance(m[role_key], str):
+            raise DataError(f"{where}: {name}.{role_key} must be a string, got {short_repr(m[role_key])}")
+        role, content = SHAREGPT_ROLES.get(m[role_key], m[role_key]), m[content_key]
+        if not isinstance(content, str):
+            raise DataError(f"{where}: {name}.{content_key} must be a string, got {short_repr(content)}")
+        chat.append({"role": role, "content": content})
+        if role == "user":
+            if not content.strip():
+                raise DataError(f"{where}: the first user message ({name}.{content_key}) is empty")
+            return chat
     raise DataError(f"{where}: no user message")
 
 
 def read_prompts(path: str, limit: int | None = None) -> list[list[dict]]:
     """Chat prompts (message lists) from a JSONL file of ShareGPT, OpenAI-style or ``{"prompt": ...}``
-    records. Records without a usable user turn are errors, naming the line."""
+    records. A record of the wrong shape (a message without content, empty ``turns``, ``conversations``
+    that is not a list, no user turn) is a ``DataError`` naming the file, the line and the field; no
+    record is skipped silently."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"prompt file not found: {path}")
     prompts = []
@@ -169,7 +205,8 @@ def finish_manifest(out_dir: str, num_shards: int) -> dict:
 def prepare_shards(out_dir: str, prompts_ids: Sequence[Sequence[int]], settings: PrepareSettings,
                    generate_fn: Callable[[list[list[int]], int], list[list[int]]], progress: bool = True,
                    process_index: int = 0, process_count: int = 1) -> dict:
-    """Regenerates responses for ``prompts_ids`` shard by shard into ``out_dir`` (resumable).
+    """Regenerates responses for ``prompts_ids`` shard by shard into ``out_dir`` (resumable). Every
+    prompt must fit in ``settings.max_prompt_len`` tokens (checked before anything is written).
 
     ``generate_fn(prompts, first_index)`` returns the responses; ``first_index`` (the global index of
     the first prompt) lets sampled regeneration use distinct random streams in every shard.
@@ -180,6 +217,7 @@ def prepare_shards(out_dir: str, prompts_ids: Sequence[Sequence[int]], settings:
     depend on how many processes made them."""
     from tqdm import tqdm
 
+    check_prompt_lengths(prompts_ids, settings.max_prompt_len)
     manifest = begin_manifest(out_dir, settings, create=process_count == 1)
     num_shards = -(-len(prompts_ids) // settings.shard_size)
     done = set(finished_shards(out_dir, manifest, num_shards))
@@ -189,7 +227,7 @@ def prepare_shards(out_dir: str, prompts_ids: Sequence[Sequence[int]], settings:
                disable=not progress)
     tokens_done, start = 0, time.perf_counter()
     for i in todo:
-        chunk = [list(p)[: settings.max_prompt_len] for p in prompts_ids[i * settings.shard_size:(i + 1) * settings.shard_size]]
+        chunk = [list(p) for p in prompts_ids[i * settings.shard_size:(i + 1) * settings.shard_size]]
         responses = generate_fn(chunk, i * settings.shard_size)
         seqs = [(p, r) for p, r in zip(chunk, responses)]
         offsets = np.cumsum([0] + [len(p) + len(r) for p, r in seqs]).astype(np.int64)
@@ -285,3 +323,17 @@ def drop_long(ids: list[list[int]], max_len: int, limit: int | None = None) -> t
     were left out of the whole list."""
     kept = [p for p in ids if len(p) <= max_len]
     return (kept if limit is None else kept[:limit]), len(ids) - len(kept)
+
+
+def check_prompt_lengths(ids: Sequence[Sequence[int]], max_len: int) -> None:
+    """Refuses (``DataError``) prompts longer than ``max_len`` tokens, naming how many and the longest:
+    prompts are never cut (see the module docstring); :func:`drop_long` leaves them out instead."""
+    long = [i for i, p in enumerate(ids) if len(p) > max_len]
+    if long:
+        worst = max(long, key=lambda i: len(ids[i]))
+        raise DataError(
+            f"{len(long)} of {len(ids)} prompts are longer than max_prompt_len={max_len} tokens (the longest, "
+            f"prompt {worst}, has {len(ids[worst])}). Prompts are never cut: a cut prompt loses the chat "
+            f"template's assistant header. Leave them out with data.drop_long_prompts: true (the default), "
+            f"or raise data.max_prompt_len"
+        )

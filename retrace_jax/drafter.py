@@ -3,25 +3,34 @@
 The target's features enter through every layer's keys and values ("KV injection"): the fused context
 ``hidden_norm(fc(features))`` is projected by each layer's own ``k_proj``/``v_proj`` and placed before the
 block's keys. The drafter has no embedding and no LM head: the target's are passed in by the caller.
-See ``shared/docs/dflash.md``.
+Its decoder blocks are the target's (``retrace_jax/layers.py``) with q/k norms and no MLP bias. See
+``docs/dflash.md``; shape letters: ``retrace_jax/attention.py``.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import warnings
+import numbers
 from typing import Any
 
 import jax.numpy as jnp
 from flax import nnx
 
 from retrace_jax.config import ConfigError, rope_theta
-from retrace_jax.kv_cache import KVCache, write_rows
-from retrace_jax.layers import MLP, RMSNorm, attention_beside_context, linear, rope
+from retrace_jax.attention import attention_beside_context, cached_attention
+from retrace_jax.kv_cache import KVCache
+from retrace_jax.layers import BlockSpec, DecoderBlock, RMSNorm, linear
 from retrace_jax.retrace import Memory, ReTraceConfig, ReTraceFusion
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
-    """The official default: the middle layer for one, else evenly spread from layer 1 to L-3."""
+    """The official default: the middle layer for one, else evenly spread from layer 1 to L-3.
+
+    Kept exactly, duplicates included: for a shallow target (``num_target_layers - 4`` smaller than
+    ``num_draft_layers - 1``) ids repeat, e.g. ``(1, 1)`` for 4 target layers and 2 drafter layers. The
+    drafter then reads the same feature twice; :class:`DrafterConfig` warns about it."""
     if num_draft_layers == 1:
         return (num_target_layers // 2,)
     span = num_target_layers - 4
@@ -46,6 +55,24 @@ class DrafterConfig:
     vocab_size: int
     attention_bias: bool = False
     retrace: ReTraceConfig | None = None  # set for a ReTrace drafter
+
+    def __post_init__(self):
+        repeated = sorted(i for i, n in collections.Counter(self.target_layer_ids).items() if n > 1)
+        if repeated:
+            warnings.warn(
+                f"drafter target_layer_ids {list(self.target_layer_ids)} repeat layer(s) {repeated}: the drafter "
+                f"reads the same target feature more than once. The official default formula gives such ids "
+                f"when the target has few layers ({self.num_target_layers} here) for {self.num_layers} drafter "
+                f"layers; they are kept as given, as the official DFlash code keeps them",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    @property
+    def block_spec(self) -> BlockSpec:
+        return BlockSpec(self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim,
+                         self.rope_theta, self.rms_norm_eps, qkv_bias=self.attention_bias,
+                         o_bias=self.attention_bias, mlp_bias=False, qk_norm=True)
 
     @property
     def num_features(self) -> int:
@@ -113,50 +140,6 @@ class DrafterConfig:
         return hf
 
 
-class DFlashAttention(nnx.Module):
-    """Block queries attend, without a causal mask, to injected context keys and the block's own keys."""
-
-    def __init__(self, cfg: DrafterConfig, dtype, rngs: nnx.Rngs):
-        d, h, kv, hd, bias = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_bias
-        self.q_proj = linear(d, h * hd, bias, dtype, rngs)
-        self.k_proj = linear(d, kv * hd, bias, dtype, rngs)
-        self.v_proj = linear(d, kv * hd, bias, dtype, rngs)
-        self.o_proj = linear(h * hd, d, bias, dtype, rngs)
-        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
-        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
-        self.cfg = cfg
-
-    def keys_values(self, x_btd, positions_bt):
-        """Keys (normed, rotated) and values of ``x``: context rows or block rows alike."""
-        cfg = self.cfg
-        b, t, _ = x_btd.shape
-        k = self.k_norm(self.k_proj(x_btd).reshape(b, t, cfg.num_kv_heads, cfg.head_dim))
-        v = self.v_proj(x_btd).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        return rope(k, positions_bt, cfg.rope_theta), v
-
-    def __call__(self, x_btd, positions_bt, ctx_k_bskd, ctx_v_bskd, mask_bt_st):
-        """``mask[b, t, :S]`` covers the context keys, ``mask[b, t, S:]`` the block's own keys."""
-        cfg = self.cfg
-        b, t, _ = x_btd.shape
-        q = self.q_norm(self.q_proj(x_btd).reshape(b, t, cfg.num_heads, cfg.head_dim))
-        q = rope(q, positions_bt, cfg.rope_theta)
-        k_blk, v_blk = self.keys_values(x_btd, positions_bt)
-        out = attention_beside_context(q, k_blk, v_blk, ctx_k_bskd, ctx_v_bskd, mask_bt_st)
-        return self.o_proj(out.reshape(b, t, -1))
-
-
-class DFlashLayer(nnx.Module):
-    def __init__(self, cfg: DrafterConfig, dtype, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = DFlashAttention(cfg, dtype, rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs)
-
-    def __call__(self, h_btd, positions_bt, ctx_k, ctx_v, mask):
-        h_btd = h_btd + self.self_attn(self.input_layernorm(h_btd), positions_bt, ctx_k, ctx_v, mask)
-        return h_btd + self.mlp(self.post_attention_layernorm(h_btd))
-
-
 class DFlashDrafter(nnx.Module):
     """DFlash drafter. ``context_kv`` turns target features into per-layer keys/values; ``forward``
     drafts blocks of embedded tokens against them. With ``cfg.retrace`` it also owns the ReTrace
@@ -167,7 +150,7 @@ class DFlashDrafter(nnx.Module):
         d = cfg.hidden_size
         self.fc = linear(cfg.num_features * d, d, False, dtype, rngs)
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
-        self.layers = nnx.List([DFlashLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderBlock(cfg.block_spec, dtype, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
         if cfg.retrace is not None:
             self.retrace = ReTraceFusion(cfg.retrace, d, d, dtype=dtype, rngs=rngs)
@@ -176,9 +159,9 @@ class DFlashDrafter(nnx.Module):
     def dtype(self):
         return self.fc.kernel.dtype
 
-    def init_cache(self, batch: int, max_len: int) -> KVCache:
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         cfg = self.cfg
-        return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype or self.dtype)
 
     def context_kv(self, features_btf, positions_bt):
         """Per-layer ``(k, v)`` of the fused target features ``[B, T, n*d]`` at their positions."""
@@ -189,37 +172,49 @@ class DFlashDrafter(nnx.Module):
         """Appends the context keys/values of ``T`` positions at each row's length (lengths += T)."""
         t = features_btf.shape[1]
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
-        k, v = cache.k, cache.v
         for i, (k_new, v_new) in enumerate(self.context_kv(features_btf, positions)):
-            k, v = write_rows(k, i, k_new, cache.lengths), write_rows(v, i, v_new, cache.lengths)
-        return KVCache(k, v, cache.lengths + t)
+            cache = cache.write(i, k_new, v_new, cache.lengths)
+        return cache.replace(lengths=cache.lengths + t)
 
-    def forward(self, emb_btd, positions_bt, ctx_kv, mask_bt_st, remat: bool = False):
-        """Final-norm hidden states (the LM head's input) of the block tokens ``[B, T, d]``.
+    def run_layers(self, emb_btd, positions_bt, attend_at, remat: bool = False):
+        """Final-norm hidden states (the LM head's input) of the block tokens ``[B, T, d]``; layer ``i``
+        attends through ``attend_at(i)`` (see ``layers.Attend``).
 
         ``remat`` recomputes each layer's activations in the backward pass instead of storing them."""
         h = emb_btd.astype(self.dtype)
-        for layer, (k, v) in zip(self.layers, ctx_kv):
+        for i, layer in enumerate(self.layers):
+            attend = attend_at(i)
             if remat:
-                h = nnx.remat(lambda lyr, h, k, v: lyr(h, positions_bt, k, v, mask_bt_st))(layer, h, k, v)
+                h = nnx.remat(lambda lyr, h: lyr(h, positions_bt, attend)[0])(layer, h)
             else:
-                h = layer(h, positions_bt, k, v, mask_bt_st)
+                h = layer(h, positions_bt, attend)[0]
         return self.norm(h)
 
-    def draft(self, emb_btd, cache: KVCache, memory: Memory | None = None, beta=1.0):
+    def forward(self, emb_btd, positions_bt, ctx_kv, mask_bt_st, remat: bool = False):
+        """Block states against explicit per-layer context ``(k, v)`` and a mask ``[B, T, S + T]``
+        (``mask[:, :, :S]`` covers the context, the rest the block's own keys): training's path."""
+
+        def attend_at(i):
+            ctx_k, ctx_v = ctx_kv[i]
+            return lambda q, k, v: (attention_beside_context(q, k, v, ctx_k, ctx_v, mask_bt_st), None)
+
+        return self.run_layers(emb_btd, positions_bt, attend_at, remat)
+
+    def draft(self, emb_btd, cache: KVCache, memory: Memory | None = None, beta=1.0, attention: str = "auto"):
         """Drafts one block per row at positions ``cache.lengths[b] + 0..T-1``: every block token sees
-        the row's committed context and the whole block. ``memory`` (ReTrace drafters) is fused into
-        the block's embeddings first."""
+        the row's committed context (the cache below its length) and the whole block. ``memory``
+        (ReTrace drafters) is fused into the block's embeddings first."""
         if memory is not None:
             emb_btd = self.retrace(emb_btd.astype(self.dtype), memory, beta)
         b, t, _ = emb_btd.shape
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
-        ctx_mask = jnp.arange(cache.max_len)[None, :] < cache.lengths[:, None]  # [B, S]
-        mask = jnp.concatenate(
-            [jnp.broadcast_to(ctx_mask[:, None, :], (b, t, cache.max_len)), jnp.ones((b, t, t), bool)], axis=-1
-        )
-        ctx_kv = [(cache.k[i], cache.v[i]) for i in range(self.cfg.num_layers)]
-        return self.forward(emb_btd, positions, ctx_kv, mask)
+        limit = jnp.broadcast_to(cache.lengths[:, None], (b, t))
+
+        def attend_at(i):
+            return lambda q, k, v: (cached_attention(q, cache.k, cache.v, i, limit, k, v, implementation=attention),
+                                    None)
+
+        return self.run_layers(emb_btd, positions, attend_at)
 
 
 def init_drafter(target_cfg, *, mask_token_id: int, num_layers: int = 1, block_size: int = 16,
@@ -228,6 +223,12 @@ def init_drafter(target_cfg, *, mask_token_id: int, num_layers: int = 1, block_s
     """A randomly initialised drafter shaped for ``target_cfg`` (a :class:`~retrace_jax.ModelConfig`):
     the target's width, heads and RoPE; features from ``target_layer_ids`` (official default if None).
     With ``retrace`` it is a ReTrace drafter whose fusion starts at zero (exactly DFlash)."""
+    for name, value, low in (("num_layers", num_layers, 1), ("block_size", block_size, 2)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+            raise ValueError(f"init_drafter: {name} must be an integer >= {low}, got {value!r}")
+    if not isinstance(mask_token_id, numbers.Integral) or not 0 <= mask_token_id < target_cfg.vocab_size:
+        raise ValueError(f"init_drafter: mask_token_id must be a token id in [0, {target_cfg.vocab_size}), "
+                         f"got {mask_token_id!r}")
     cfg = DrafterConfig(
         hidden_size=target_cfg.hidden_size,
         intermediate_size=intermediate_size or target_cfg.intermediate_size,

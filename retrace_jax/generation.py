@@ -8,17 +8,21 @@ from typing import Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
+from retrace_jax.attention import IMPLEMENTATIONS
+from retrace_jax.config import short_repr
 from retrace_jax.drafter import DFlashDrafter
-from retrace_jax.hf_io import check_drafter_matches, shard_model
+from retrace_jax.hf_io import check_drafter_matches, resolve_dtype, shard_model
 from retrace_jax.plain_loop import plain_generate
 from retrace_jax.sampling import SamplingMode, SamplingParams
 from retrace_jax.sharding import axis_size, batch_sharding
 from retrace_jax.speculative_loop import speculative_generate
-from retrace_jax.target import TargetModel
+from retrace_jax.target import TargetModel, resolve_layer_loop
 
 MIN_BUCKET = 16
 STOP_BUCKET = 8
+DRAFT_RULES = ("argmax", "target_sample", "sample")  # speculative sampling at T > 0 (see generate)
 
 
 @dataclasses.dataclass
@@ -57,6 +61,9 @@ def generate(
     use_retrace: bool = True,
     draft_rule: str = "argmax",
     mesh=None,
+    cache_dtype=None,
+    attention: str = "auto",
+    layer_loop: str = "auto",
 ) -> GenerateOutput:
     """Generates up to ``max_new_tokens`` for each prompt (token ids) in one compiled program.
 
@@ -65,22 +72,41 @@ def generate(
     unless ``use_retrace=False`` (an ablation: then it drafts exactly as a DFlash drafter).
 
     ``temperature > 0`` samples from the target's distribution after temperature, top-k (0: off) and
-    top-p (1.0: off); speculative sampling keeps that distribution exactly. ``draft_rule="argmax"``
-    proposes the drafter's argmax (a one-hot draft distribution); ``"sample"`` draws proposals from the
-    drafter's own filtered distribution. Each row has its own random stream; ``seed`` makes runs
-    reproducible.
+    top-p (1.0: off); speculative sampling keeps that distribution exactly, by one of three rules:
+    ``draft_rule="argmax"`` proposes the drafter's argmax and verifies by rejection sampling with a
+    one-hot draft distribution; ``"target_sample"`` (the official DFlash loop's rule) proposes the
+    argmax, lets the target draw its own token at every slot and accepts while they match; ``"sample"``
+    draws proposals from the drafter's own filtered distribution q (rejection sampling with q). The
+    first two give the same distribution of tokens and of acceptance lengths (only the use of the random
+    stream differs). Each row has its own random stream; ``seed`` makes runs reproducible.
 
     With a ``mesh`` (see ``rj.make_mesh``) the same program runs sharded: parameters by the
     logical-axis rules (placed there if they are not yet), caches and batch over the data axis, heads
     over the tensor axis; the batch is padded to a multiple of the data axis. The batch, prompt length,
     ``max_new_tokens`` and stop list are padded to buckets, so calls whose sizes fall into the same
     buckets reuse the compiled program.
+
+    ``cache_dtype`` ("float32" or "bfloat16"; default: the target's dtype) stores both KV caches in that
+    type. ``attention`` chooses the attention implementation ("auto", "chunked" or "dense"; see
+    ``retrace_jax/attention.py``): the default walks the caches only up to the filled length.
+    ``layer_loop`` runs the target's layers with one ``lax.scan`` ("scan": compile time independent of
+    depth) or as a Python loop over per-layer weight slices made once ("unrolled": faster steps on CPU,
+    where a scan copies each layer's weights at every step; compile time grows with depth); "auto" is
+    "unrolled" on CPU and "scan" on accelerators.
     """
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh (e.g. rj.make_mesh({mesh!r}) for a string) or None, "
+                        f"got {type(mesh).__name__} {mesh!r}")
     mode = _sampling_mode(temperature, top_k, top_p, draft_rule)
+    if attention not in IMPLEMENTATIONS:
+        raise ValueError(f"attention must be one of {IMPLEMENTATIONS}, got {attention!r}")
+    layer_loop = resolve_layer_loop(layer_loop)
+    cache_dtype = None if cache_dtype is None else resolve_dtype(cache_dtype)
     if int(seed) != seed or not 0 <= seed < 2**32:
         raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
     sampling = SamplingParams.make(temperature, top_k, top_p, seed)
     batch = _check_prompts(target, prompts, max_new_tokens)
+    stops = _pad_stops(stop_token_ids, target.cfg.vocab_size)
     capacity = bucket(max_new_tokens)
     rows = bucket(batch, 1)
     if mesh is not None:
@@ -91,12 +117,12 @@ def generate(
     tokens, lens, live = _pad_prompts(prompts, rows, bucket(max(map(len, prompts))))
     if mesh is not None:
         tokens, lens, live = (jax.device_put(x, batch_sharding(mesh, x.ndim)) for x in (tokens, lens, live))
-    stops = _pad_stops(stop_token_ids, target.cfg.vocab_size)
     target_def, target_state = nnx.split(target)
     max_new = np.int32(max_new_tokens)
     if drafter is None:
         buf = plain_generate(target_def, target_state, tokens, lens, live, max_new, stops, sampling,
-                             capacity=capacity, mode=mode, mesh=mesh)
+                             capacity=capacity, mode=mode, mesh=mesh, cache_dtype=cache_dtype, attention=attention,
+                             layer_loop=layer_loop)
         out_tokens, num = _fetch((buf.tokens, buf.num))
         new = [out_tokens[b, : num[b]].tolist() for b in range(batch)]
         return GenerateOutput(tokens=new, acceptance_lengths=[[1] * len(t) for t in new])
@@ -109,6 +135,7 @@ def generate(
     buf, accept, rounds = speculative_generate(
         target_def, target_state, drafter_def, drafter_state, tokens, lens, live, max_new, stops, sampling,
         capacity=capacity, block_size=block_size, use_retrace=bool(use_retrace), mode=mode, mesh=mesh,
+        cache_dtype=cache_dtype, attention=attention, layer_loop=layer_loop,
     )
     out_tokens, num, accept, rounds = _fetch((buf.tokens, buf.num, accept, rounds))
     return GenerateOutput(
@@ -134,16 +161,19 @@ def _sampling_mode(temperature, top_k, top_p, draft_rule) -> SamplingMode:
         raise ValueError(f"top_k must be a non-negative integer (0: off), got {top_k!r}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
-    if draft_rule not in ("argmax", "sample"):
-        raise ValueError(f"draft_rule must be 'argmax' or 'sample', got {draft_rule!r}")
+    if draft_rule not in DRAFT_RULES:
+        raise ValueError(f"draft_rule must be one of {', '.join(map(repr, DRAFT_RULES))}, got {draft_rule!r}")
     if temperature == 0:  # greedy: the filters keep the argmax, so they change nothing
         return SamplingMode()
     return SamplingMode(sample=True, top_k=top_k > 0, top_p=top_p < 1, draft_rule=draft_rule)
 
 
 def _check_prompts(target: TargetModel, prompts, max_new_tokens: int) -> int:
-    if isinstance(prompts, (str, bytes)) or not len(prompts):
-        raise ValueError("prompts must be a non-empty list of token-id lists")
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or not len(prompts):
+        raise ValueError(f"prompts must be a non-empty list of token-id lists, got {short_repr(prompts)}")
+    if any(isinstance(p, (int, np.integer)) for p in prompts):
+        raise TypeError(f"prompts must be a list of token-id lists, one per prompt, got a flat list of ints "
+                        f"{short_repr(prompts)}; for a single prompt pass [ids]")
     if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     cfg = target.cfg
@@ -176,7 +206,13 @@ def _pad_prompts(prompts, batch: int, length: int):
 
 
 def _pad_stops(stop_token_ids, vocab_size: int):
-    stops = [int(s) for s in stop_token_ids]
+    if isinstance(stop_token_ids, (int, np.integer, str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
+        raise TypeError(f"stop_token_ids must be a list of token ids, got {type(stop_token_ids).__name__} "
+                        f"{stop_token_ids!r}" + (f"; write [{stop_token_ids}]" if isinstance(stop_token_ids, int) else ""))
+    stops = list(stop_token_ids)
+    if any(not isinstance(s, (int, np.integer)) for s in stops):
+        raise TypeError(f"stop_token_ids must hold integer token ids, got {short_repr(stops)}")
+    stops = [int(s) for s in stops]
     if any(not 0 <= s < vocab_size for s in stops):
         raise ValueError(f"stop_token_ids {stops} must lie in [0, {vocab_size})")
     padded = np.full((bucket(len(stops), STOP_BUCKET),), -1, np.int32)

@@ -1,4 +1,4 @@
-"""Fixed-shape KV caches as explicit pytrees, written at each row's own offset."""
+"""Fixed-shape KV caches as explicit pytrees, written in place at each row's own offset."""
 
 from __future__ import annotations
 
@@ -6,15 +6,16 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from retrace_jax.attention import cache_slots
 from retrace_jax.sharding import CACHE_AXES, constrain
 
 
 @struct.dataclass
 class KVCache:
-    """Keys and values ``[layers, batch, max_len, kv_heads, head_dim]`` and a valid length per row.
+    """Keys and values ``[L, B, S, K, D]`` and a valid length per row.
 
     Positions ``< lengths[b]`` of row ``b`` hold committed tokens; anything past them is stale and is
-    never read (masks hide it, and the next write overwrites it).
+    never read (attention looks only below each query's limit, and the next write overwrites it).
     """
 
     k: jax.Array
@@ -23,7 +24,9 @@ class KVCache:
 
     @classmethod
     def zeros(cls, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype):
-        shape = (num_layers, batch, max_len, kv_heads, head_dim)
+        """A cache with room for at least ``max_len`` positions per row (rounded up to whole attention
+        chunks: see :func:`~retrace_jax.attention.cache_slots`)."""
+        shape = (num_layers, batch, cache_slots(max_len), kv_heads, head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
     @property
@@ -35,14 +38,19 @@ class KVCache:
         return KVCache(constrain(self.k, CACHE_AXES, mesh), constrain(self.v, CACHE_AXES, mesh),
                        constrain(self.lengths, ("batch",), mesh))
 
+    def write(self, layer, k_btkd, v_btkd, offsets_b) -> "KVCache":
+        """Writes ``k[b], v[b]`` into layer ``layer`` (may be traced) at slots ``offsets[b] + 0..T-1``."""
+        return self.replace(k=write_rows(self.k, layer, k_btkd, offsets_b),
+                            v=write_rows(self.v, layer, v_btkd, offsets_b))
 
-def write_rows(buf_lbskd, layer: int, new_btkd, offsets_b):
-    """Writes ``new[b]`` into ``buf[layer, b]`` starting at position ``offsets[b]``.
 
-    Updates the stacked buffer in place (no per-layer copies); callers keep ``offsets + T`` in bounds.
-    """
+def write_rows(buf_lbskd, layer, new_btkd, offsets_b):
+    """Writes ``new[b]`` into ``buf[layer, b]`` starting at slot ``offsets[b]``.
 
-    def one(buf_lskd, new_tkd, off):
-        return jax.lax.dynamic_update_slice(buf_lskd, new_tkd[None].astype(buf_lskd.dtype), (layer, off, 0, 0))
-
-    return jax.vmap(one, in_axes=(1, 0, 0), out_axes=1)(buf_lbskd, new_btkd, offsets_b)
+    One scatter of ``B * T`` rows of ``[K, D]`` into the stacked buffer, which XLA updates in place (no
+    cache-sized copy or transpose); rows that would fall past the end are dropped."""
+    b, t = new_btkd.shape[:2]
+    rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+    slots = offsets_b[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
+    layer_idx = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (b, t))
+    return buf_lbskd.at[layer_idx, rows, slots].set(new_btkd.astype(buf_lbskd.dtype), mode="drop")

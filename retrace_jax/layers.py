@@ -1,6 +1,10 @@
-"""Building blocks shared by the target model and the DFlash drafter."""
+"""Building blocks shared by the target model and the DFlash drafter: one attention layer and one
+decoder block serve both (shape letters: see ``retrace_jax/attention.py``)."""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -60,27 +64,77 @@ def rope(x_bthd, positions_bt, theta: float):
     return x_bthd * cos + rotated * sin
 
 
-def attention(q_bthd, k_bskd, v_bskd, mask_bts):
-    """Grouped-query attention of ``T`` queries over ``S`` keys; ``mask[b, t, s]`` marks visible keys.
+@dataclasses.dataclass(frozen=True)
+class BlockSpec:
+    """The shape and flags of one decoder block (the target's and the drafter's differ only here)."""
 
-    Scores and softmax run in float32; the output has the query dtype.
-    """
-    b, t, h, d = q_bthd.shape
-    kv_heads = k_bskd.shape[2]
-    q = q_bthd.reshape(b, t, kv_heads, h // kv_heads, d)
-    scores = jnp.einsum(
-        "btkgd,bskd->bkgts", q, k_bskd, preferred_element_type=jnp.float32
-    ) * (d**-0.5)
-    scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_bskd.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_bskd)
-    return out.reshape(b, t, h, d)
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
 
 
-def attention_beside_context(q_bthd, k_btkd, v_btkd, ctx_k_bskd, ctx_v_bskd, mask_bt_st):
-    """Attention over a fixed context followed by the new tokens' own keys: ``mask[:, :, :S]`` covers
-    the context, ``mask[:, :, S:]`` the new tokens. Used by DFlash's KV injection and by training's
-    verification of drafted blocks."""
-    keys = jnp.concatenate([ctx_k_bskd, k_btkd.astype(ctx_k_bskd.dtype)], axis=1)
-    values = jnp.concatenate([ctx_v_bskd, v_btkd.astype(ctx_v_bskd.dtype)], axis=1)
-    return attention(q_bthd, keys, values, mask_bt_st)
+# attend(q [B, T, H, D], k [B, T, K, D], v [B, T, K, D]) -> (out [B, T, H, D], aux): where the keys go and
+# what the queries see (a KV cache, a fixed context) is the caller's business; ``aux`` is passed back.
+Attend = Callable[..., tuple]
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention: projections, optional q/k RMSNorm, RoPE at absolute positions."""
+
+    def __init__(self, spec: BlockSpec, dtype, rngs: nnx.Rngs):
+        d, h, kv, hd = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_proj = linear(d, h * hd, spec.qkv_bias, dtype, rngs)
+        self.k_proj = linear(d, kv * hd, spec.qkv_bias, dtype, rngs)
+        self.v_proj = linear(d, kv * hd, spec.qkv_bias, dtype, rngs)
+        self.o_proj = linear(h * hd, d, spec.o_bias, dtype, rngs)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(hd, spec.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(hd, spec.rms_norm_eps, dtype=dtype)
+        self.spec = spec
+
+    def keys_values(self, x_btd, positions_bt):
+        """Keys (normed when the model has q/k norms, rotated) and values ``[B, T, K, D]`` of ``x``."""
+        spec = self.spec
+        b, t, _ = x_btd.shape
+        k = self.k_proj(x_btd).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+        v = self.v_proj(x_btd).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+        if spec.qk_norm:
+            k = self.k_norm(k)
+        return rope(k, positions_bt, spec.rope_theta), v
+
+    def queries(self, x_btd, positions_bt):
+        spec = self.spec
+        b, t, _ = x_btd.shape
+        q = self.q_proj(x_btd).reshape(b, t, spec.num_heads, spec.head_dim)
+        if spec.qk_norm:
+            q = self.q_norm(q)
+        return rope(q, positions_bt, spec.rope_theta)
+
+    def __call__(self, x_btd, positions_bt, attend: Attend):
+        b, t, _ = x_btd.shape
+        k, v = self.keys_values(x_btd, positions_bt)
+        out, aux = attend(self.queries(x_btd, positions_bt), k, v)
+        return self.o_proj(out.reshape(b, t, -1)), aux
+
+
+class DecoderBlock(nnx.Module):
+    """Pre-norm decoder block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, spec: BlockSpec, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(spec, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, dtype, rngs)
+
+    def __call__(self, x_btd, positions_bt, attend: Attend):
+        attn, aux = self.self_attn(self.input_layernorm(x_btd), positions_bt, attend)
+        x_btd = x_btd + attn
+        return x_btd + self.mlp(self.post_attention_layernorm(x_btd)), aux

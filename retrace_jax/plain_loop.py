@@ -1,4 +1,8 @@
-"""Plain autoregressive decoding as one program: prefill, then a ``lax.while_loop`` of one-token steps."""
+"""Plain autoregressive decoding as one program: prefill, then a ``lax.while_loop`` of one-token steps.
+
+The step is a pure function :func:`plain_step` ``(model, constants, carry) -> carry``; the compiled loop
+calls it, and benchmarks time it alone.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from flax import nnx, struct
 from retrace_jax.commit import OutputBuffer, commit
 from retrace_jax.kv_cache import KVCache
 from retrace_jax.sampling import SamplingMode, SamplingParams, row_keys, step_keys
-from retrace_jax.target import prefill
+from retrace_jax.target import merge_target, prefill
 
 
 @struct.dataclass
@@ -21,30 +25,54 @@ class PlainCarry:
     last_b: jax.Array  # [B] the token fed to the next step
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "capacity", "mode", "mesh"))
+@struct.dataclass
+class StepConstants:
+    keys_b: jax.Array  # [B, 2] each row's random stream
+    max_new: jax.Array  # int32 scalar
+    stop_ids: jax.Array  # [N] int32, padded with -1
+    sampling: SamplingParams
+    mode: SamplingMode = struct.field(pytree_node=False, default=SamplingMode())
+    mesh: object = struct.field(pytree_node=False, default=None)
+    attention: str = struct.field(pytree_node=False, default="auto")
+
+
+def plain_init(model, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampling: SamplingParams, *, capacity,
+               mode: SamplingMode = SamplingMode(), mesh=None, cache_dtype=None, attention="auto"):
+    """Prefill and the first token of each row (key step 0)."""
+    batch, prompt_len = tokens_bp.shape
+    cache = model.init_cache(batch, prompt_len + capacity, cache_dtype).constrain(mesh)
+    logits_bv, cache, _ = prefill(model, tokens_bp, prompt_lens_b, cache, attention=attention)
+    consts = StepConstants(row_keys(sampling.seed, batch), jnp.asarray(max_new, jnp.int32), stop_ids, sampling,
+                           mode=mode, mesh=mesh, attention=attention)
+    first_b = sampling.choose(step_keys(consts.keys_b, jnp.zeros((batch,), jnp.int32)), logits_bv, mode)
+    ones_b = jnp.ones((batch,), jnp.int32)
+    buf = commit(OutputBuffer.empty(batch, capacity, ~live_b), first_b[:, None], ones_b, consts.max_new, stop_ids)
+    return consts, PlainCarry(cache, buf, first_b)
+
+
+def plain_step(model, consts: StepConstants, c: PlainCarry) -> PlainCarry:
+    """One token for every row; finished rows keep their cache length and output."""
+    out = model(c.last_b[:, None], c.cache, attention=consts.attention)
+    next_b = consts.sampling.choose(step_keys(consts.keys_b, c.buf.num), model.logits(out.hidden[:, 0]), consts.mode)
+    lengths = jnp.where(c.buf.done, c.cache.lengths, out.cache.lengths)
+    ones_b = jnp.ones_like(next_b)
+    buf = commit(c.buf, next_b[:, None], ones_b, consts.max_new, consts.stop_ids)
+    return PlainCarry(out.cache.replace(lengths=lengths).constrain(consts.mesh), buf, next_b)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "capacity", "mode", "mesh", "cache_dtype", "attention",
+                                           "layer_loop"))
 def plain_generate(graphdef, state, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids,
-                   sampling: SamplingParams, *, capacity, mode: SamplingMode = SamplingMode(), mesh=None):
+                   sampling: SamplingParams, *, capacity, mode: SamplingMode = SamplingMode(), mesh=None,
+                   cache_dtype=None, attention="auto", layer_loop="auto"):
     """Greedy or sampled decoding of a right-padded batch; rows with ``live_b`` False are padding.
 
     Row ``b`` draws its ``n``-th token with ``fold_in(fold_in(PRNGKey(seed), b), n)``. With a ``mesh``
     the cache is sharded (batch over data, KV heads over tensor) like the parameters.
     Returns the output buffer (``capacity`` >= ``max_new`` slots per row).
     """
-    model = nnx.merge(graphdef, state)
-    batch, prompt_len = tokens_bp.shape
-    cache = model.init_cache(batch, prompt_len + capacity).constrain(mesh)
-    logits_bv, cache, _ = prefill(model, tokens_bp, prompt_lens_b, cache)
-    keys_b = row_keys(sampling.seed, batch)
-    first_b = sampling.choose(step_keys(keys_b, jnp.zeros((batch,), jnp.int32)), logits_bv, mode)
-    ones_b = jnp.ones((batch,), jnp.int32)
-    buf = commit(OutputBuffer.empty(batch, capacity, ~live_b), first_b[:, None], ones_b, max_new, stop_ids)
-
-    def step(c: PlainCarry) -> PlainCarry:
-        out = model(c.last_b[:, None], c.cache)
-        next_b = sampling.choose(step_keys(keys_b, c.buf.num), model.logits(out.hidden[:, 0]), mode)
-        lengths = jnp.where(c.buf.done, c.cache.lengths, out.cache.lengths)
-        buf = commit(c.buf, next_b[:, None], ones_b, max_new, stop_ids)
-        return PlainCarry(out.cache.replace(lengths=lengths).constrain(mesh), buf, next_b)
-
-    final = jax.lax.while_loop(lambda c: ~jnp.all(c.buf.done), step, PlainCarry(cache, buf, first_b))
+    model = merge_target(graphdef, state, layer_loop)
+    consts, init = plain_init(model, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampling,
+                              capacity=capacity, mode=mode, mesh=mesh, cache_dtype=cache_dtype, attention=attention)
+    final = jax.lax.while_loop(lambda c: ~jnp.all(c.buf.done), lambda c: plain_step(model, consts, c), init)
     return final.buf

@@ -1,4 +1,4 @@
-"""ReTrace training: the two-round on-policy rollout of ``shared/docs/retrace.md`` in fixed shapes.
+"""ReTrace training: the two-round on-policy rollout of ``docs/retrace.md`` in fixed shapes.
 
 Round 1 drafts every anchored block as DFlash does (no memory) and counts ``a``, the leading proposals
 that match the sequence (the target's own response, so a match is an acceptance). The verify signal

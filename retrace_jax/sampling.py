@@ -22,26 +22,54 @@ class SamplingMode:
     sample: bool = False  # False: greedy
     top_k: bool = False  # a top-k filter is applied
     top_p: bool = False  # a top-p filter is applied
-    draft_rule: str = "argmax"  # "argmax": one-hot draft distribution; "sample": proposals drawn from q
+    draft_rule: str = "argmax"  # "argmax": one-hot rejection; "target_sample": official; "sample": from q
+
+
+TOP_CAP = 256  # candidates taken with lax.top_k before falling back to sorting the whole vocabulary
 
 
 def filtered_logprobs(logits_nv, temperature, top_k, top_p, mode: SamplingMode):
-    """Log-probabilities of the filtered, renormalised distribution (``-inf`` outside it)."""
+    """Log-probabilities of the filtered, renormalised distribution (``-inf`` outside it).
+
+    Both filters reduce to a threshold on the logits. It is found among the ``TOP_CAP`` largest logits
+    (``lax.top_k``, no sort of the vocabulary) whenever they decide it: ``top_k <= TOP_CAP`` and, for
+    top-p, those candidates holding at least ``top_p`` of the mass. Otherwise the whole vocabulary is
+    sorted (``lax.cond``), which gives the same threshold."""
     x = logits_nv.astype(jnp.float32) / temperature
-    if mode.top_k or mode.top_p:
-        sorted_desc = -jnp.sort(-x, axis=-1)
-    if mode.top_k:
-        k = jnp.clip(top_k, 1, x.shape[-1])
-        kth = jnp.take_along_axis(sorted_desc, jnp.broadcast_to(k - 1, x.shape[:-1] + (1,)), axis=-1)
+    if not (mode.top_k or mode.top_p):
+        return jax.nn.log_softmax(x, axis=-1)
+    vocab = x.shape[-1]
+    k = jnp.clip(top_k, 1, vocab)
+    cap = min(TOP_CAP, vocab)
+    top_desc = jax.lax.top_k(x, cap)[0]
+    if mode.top_k:  # top-k's threshold is the k-th largest logit
+        kth = jax.lax.cond(k <= cap, lambda: _kth(top_desc, k), lambda: _kth(_sort_desc(x), k))
         x = jnp.where(x >= kth, x, NEG_INF)
-        sorted_desc = jnp.where(sorted_desc >= kth, sorted_desc, NEG_INF)
     if mode.top_p:
-        probs = jax.nn.softmax(sorted_desc, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        keep = mass_before < top_p  # the smallest prefix whose mass reaches top_p (at least one token)
-        threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+        z = jax.nn.logsumexp(x, axis=-1, keepdims=True)  # the normaliser over the whole (top-k) vocabulary
+        if mode.top_k:
+            top_desc = jnp.where(top_desc >= kth, top_desc, NEG_INF)
+        decided = jnp.all(jnp.sum(jnp.exp(top_desc - z), axis=-1) >= top_p)
+        threshold = jax.lax.cond(decided, lambda: _top_p_threshold(top_desc, z, top_p),
+                                 lambda: _top_p_threshold(_sort_desc(x), z, top_p))
         x = jnp.where(x >= threshold, x, NEG_INF)
     return jax.nn.log_softmax(x, axis=-1)
+
+
+def _sort_desc(x_nv):
+    return -jnp.sort(-x_nv, axis=-1)
+
+
+def _kth(desc_nc, k):
+    return jnp.take_along_axis(desc_nc, jnp.broadcast_to(k - 1, desc_nc.shape[:-1] + (1,)), axis=-1)
+
+
+def _top_p_threshold(desc_nc, z_n1, top_p):
+    """The smallest logit of the shortest prefix of ``desc`` whose mass reaches ``top_p`` (at least one)."""
+    probs = jnp.exp(desc_nc - z_n1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = mass_before < top_p
+    return jnp.min(jnp.where(keep, desc_nc, jnp.inf), axis=-1, keepdims=True)
 
 
 def choose(key, logits_nv, temperature, top_k, top_p, mode: SamplingMode):

@@ -1,4 +1,8 @@
-"""The target model: a Qwen3 / Qwen2 / Llama decoder in Flax NNX with a functional KV-cache forward."""
+"""The target model: a Qwen3 / Qwen2 / Llama decoder in Flax NNX with a functional KV-cache forward.
+
+The decoder blocks are stacked (every parameter has a leading layer axis ``L``) and run by one
+``lax.scan``, so a program compiles one block whatever the depth. Shape letters: ``retrace_jax/attention.py``.
+"""
 
 from __future__ import annotations
 
@@ -8,81 +12,30 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from retrace_jax.attention import attention_beside_context, cached_attention
 from retrace_jax.config import ModelConfig
-from retrace_jax.kv_cache import KVCache, write_rows
-from retrace_jax.layers import MLP, RMSNorm, attention, attention_beside_context, linear, rope
+from retrace_jax.kv_cache import KVCache
+from retrace_jax.layers import DecoderBlock, RMSNorm, linear
 
 
-class Attention(nnx.Module):
-    """Causal grouped-query self-attention over a KV cache."""
-
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = linear(d, h * hd, cfg.qkv_bias, dtype, rngs)
-        self.k_proj = linear(d, kv * hd, cfg.qkv_bias, dtype, rngs)
-        self.v_proj = linear(d, kv * hd, cfg.qkv_bias, dtype, rngs)
-        self.o_proj = linear(h * hd, d, cfg.o_bias, dtype, rngs)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
-        self.cfg = cfg
-
-    def qkv(self, x_btd, positions_bt):
-        """Queries, keys (both normed if the model has q/k norms, and rotated) and values."""
-        cfg = self.cfg
-        b, t, _ = x_btd.shape
-        q = self.q_proj(x_btd).reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x_btd).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x_btd).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return rope(q, positions_bt, cfg.rope_theta), rope(k, positions_bt, cfg.rope_theta), v
-
-    def __call__(self, x_btd, positions_bt, cache: KVCache, layer: int, mask_bts):
-        """Writes this layer's new keys/values into ``cache`` and attends over it."""
-        b, t, _ = x_btd.shape
-        q, k, v = self.qkv(x_btd, positions_bt)
-        cache = cache.replace(
-            k=write_rows(cache.k, layer, k, cache.lengths), v=write_rows(cache.v, layer, v, cache.lengths)
-        )
-        out = attention(q, cache.k[layer], cache.v[layer], mask_bts)
-        return self.o_proj(out.reshape(b, t, -1)), cache
-
-    def beside_context(self, x_btd, positions_bt, ctx_k_bskd, ctx_v_bskd, mask_bt_st):
-        """Attention of new tokens over a fixed context (not written to) followed by their own keys;
-        ``mask[:, :, :S]`` covers the context, ``mask[:, :, S:]`` the new tokens."""
-        b, t, _ = x_btd.shape
-        q, k, v = self.qkv(x_btd, positions_bt)
-        out = attention_beside_context(q, k, v, ctx_k_bskd, ctx_v_bskd, mask_bt_st)
-        return self.o_proj(out.reshape(b, t, -1))
-
-
-class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = Attention(cfg, dtype, rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, rngs)
-
-    def __call__(self, x_btd, positions_bt, cache: KVCache, layer: int, mask_bts):
-        attn, cache = self.self_attn(self.input_layernorm(x_btd), positions_bt, cache, layer, mask_bts)
-        x_btd = x_btd + attn
-        x_btd = x_btd + self.mlp(self.post_attention_layernorm(x_btd))
-        return x_btd, cache
-
-    def beside_context(self, x_btd, positions_bt, ctx_k, ctx_v, mask):
-        x_btd = x_btd + self.self_attn.beside_context(self.input_layernorm(x_btd), positions_bt, ctx_k, ctx_v, mask)
-        return x_btd + self.mlp(self.post_attention_layernorm(x_btd))
+def stack_modules(modules: Sequence[nnx.Module]) -> nnx.Module:
+    """One module whose parameters stack those of ``modules`` (same structure) on a leading axis."""
+    graphdef, _ = nnx.split(modules[0])
+    states = [nnx.split(m)[1] for m in modules]
+    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
 
 
 class ForwardOutput(NamedTuple):
-    hidden: jax.Array  # [B, T, D] after the final norm (the LM head's input)
+    hidden: jax.Array  # [B, T, d] after the final norm (the LM head's input)
     cache: KVCache  # lengths advanced by T
-    features: jax.Array | None  # [B, T, len(feature_layers) * D]: outputs of the chosen layers
+    features: jax.Array | None  # [B, T, len(feature_layers) * d]: the chosen layers' features
 
 
 class TargetModel(nnx.Module):
-    """Decoder-only language model. The KV cache lives outside the module and is passed explicitly."""
+    """Decoder-only language model. The KV cache lives outside the module and is passed explicitly.
+
+    ``layers`` is one :class:`~retrace_jax.layers.DecoderBlock` whose parameters carry a leading
+    layer axis (``layers.self_attn.q_proj.kernel`` is ``[L, d, H*D]``)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -94,7 +47,7 @@ class TargetModel(nnx.Module):
             embedding_init=nnx.initializers.normal(0.02),
             rngs=rngs,
         )
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.layers = stack_modules([DecoderBlock(cfg.block_spec, dtype, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
@@ -103,9 +56,10 @@ class TargetModel(nnx.Module):
     def dtype(self):
         return self.embed_tokens.embedding.dtype
 
-    def init_cache(self, batch: int, max_len: int) -> KVCache:
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        """An empty cache for ``max_len`` positions per row, in ``dtype`` (default: the model's)."""
         cfg = self.cfg
-        return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype or self.dtype)
 
     def embed(self, tokens_bt):
         return self.embed_tokens(tokens_bt)
@@ -116,43 +70,120 @@ class TargetModel(nnx.Module):
             return self.embed_tokens.attend(hidden_btd)
         return self.lm_head(hidden_btd)
 
-    def __call__(
-        self, tokens_bt, cache: KVCache, *, feature_layers: Sequence[int] = ()
-    ) -> ForwardOutput:
+    def unroll_layers(self) -> "TargetModel":
+        """Slices the stacked blocks into separate per-layer arrays, once (call it inside a jitted program
+        before its decode loop): later calls then run a Python loop over them instead of a ``lax.scan``.
+
+        A scan slices each layer's weights out of the stacked arrays at every step, and on CPU that slice
+        is a copy, which makes batch-1 decoding (memory-bound) up to about 2.5x slower; the unrolled loop
+        avoids it at the price of one copy of the weights per program run and a compile time that grows
+        with depth. ``generate(layer_loop="unrolled")`` uses it."""
+        _, params = nnx.split(self.layers)
+        object.__setattr__(self, "_per_layer", [jax.tree.map(lambda a, i=i: a[i], params)
+                                                for i in range(self.cfg.num_layers)])
+        return self
+
+    def run_layers(self, x_btd, positions_bt, attend_at, carry, feature_layers: Sequence[int] = ()):
+        """Runs the stacked blocks with one ``lax.scan`` (or a Python loop after :meth:`unroll_layers`).
+
+        ``attend_at(layer, carry)`` returns the block's ``attend`` function for that layer (``layer`` is
+        traced); its ``aux`` output is the next ``carry`` (the KV cache, or None). Returns the last
+        block's output, the final carry and the features ``[B, T, n * d]`` of ``feature_layers``: the
+        output of layer ``i`` (``hidden_states[i + 1]`` in transformers' terms, so the last layer's
+        feature is the final-norm state, as transformers and the official DFlash code have it)."""
+        num_layers = self.cfg.num_layers
+        bad = [i for i in feature_layers if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(f"feature layers {bad} outside 0..{num_layers - 1}")
+        kept = sorted(set(feature_layers) - {num_layers - 1})
+        slot_of = jnp.asarray([kept.index(i) if i in kept else len(kept) for i in range(num_layers)], jnp.int32)
+        feats = jnp.zeros((len(kept) + 1,) + x_btd.shape, x_btd.dtype) if kept else None
+        graphdef, params = nnx.split(self.layers)
+
+        def body(state, xs):
+            x, carry, feats = state
+            layer_params, layer = xs
+            x, carry = nnx.merge(graphdef, layer_params)(x, positions_bt, attend_at(layer, carry))
+            if feats is not None:  # the unused last slot takes the layers nobody asked for
+                feats = jax.lax.dynamic_update_index_in_dim(feats, x, slot_of[layer], 0)
+            return (x, carry, feats), None
+
+        per_layer = getattr(self, "_per_layer", None)
+        if per_layer is None:
+            (x, carry, feats), _ = jax.lax.scan(body, (x_btd, carry, feats), (params, jnp.arange(num_layers)))
+        else:  # separate arrays per layer (see unroll_layers): a Python loop, no weight slicing per call
+            state = (x_btd, carry, feats)
+            for i, layer_params in enumerate(per_layer):
+                state, _ = body(state, (layer_params, i))
+            x, carry, feats = state
+        hidden = self.norm(x)
+        if not feature_layers:
+            return hidden, carry, None
+        features = [hidden if i == num_layers - 1 else feats[kept.index(i)] for i in feature_layers]
+        return hidden, carry, jnp.concatenate(features, -1)
+
+    def __call__(self, tokens_bt, cache: KVCache, *, feature_layers: Sequence[int] = (),
+                 attention: str = "auto") -> ForwardOutput:
         """Runs ``T`` new tokens per row at positions ``cache.lengths[b] + 0..T-1``.
 
-        Each query sees the cache up to and including its own position; entries past a row's length
-        are stale until overwritten here, so a causal mask on absolute positions is all that is needed.
-        ``feature_layers`` (static) selects layers whose outputs are returned concatenated.
-        """
+        Each layer writes the new keys/values at those slots, then each query attends to the slots up to
+        and including its own position: entries past a row's length are stale until overwritten here
+        and are never read. ``feature_layers`` (static) selects layers whose features are returned
+        concatenated; ``attention`` picks the implementation (see ``retrace_jax/attention.py``)."""
         t = tokens_bt.shape[1]
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
-        mask = jnp.arange(cache.max_len)[None, None, :] <= positions[:, :, None]  # [B, T, S]
-        bad = [i for i in feature_layers if not 0 <= i < len(self.layers)]
-        if bad:
-            raise ValueError(f"feature layers {bad} outside 0..{len(self.layers) - 1}")
-        x = self.embed(tokens_bt)
-        outputs = {}
-        for i, layer in enumerate(self.layers):
-            x, cache = layer(x, positions, cache, i, mask)
-            outputs[i] = x
-        features = jnp.concatenate([outputs[i] for i in feature_layers], -1) if feature_layers else None
-        return ForwardOutput(self.norm(x), cache.replace(lengths=cache.lengths + t), features)
+        offsets = cache.lengths
+
+        def attend_at(layer, cache):
+            def attend(q, k, v):
+                cache_ = cache.write(layer, k, v, offsets)
+                return cached_attention(q, cache_.k, cache_.v, layer, positions + 1, implementation=attention), cache_
+
+            return attend
+
+        hidden, cache, features = self.run_layers(self.embed(tokens_bt), positions, attend_at, cache, feature_layers)
+        return ForwardOutput(hidden, cache.replace(lengths=cache.lengths + t), features)
+
+
+LAYER_LOOPS = ("auto", "scan", "unrolled")
+
+
+def resolve_layer_loop(layer_loop: str = "auto") -> str:
+    """``"auto"``: "unrolled" on CPU (a scan copies each layer's weights at every step there; measured
+    2.4x slower batch-1 decoding), "scan" on GPU and TPU (compile time independent of depth)."""
+    if layer_loop not in LAYER_LOOPS:
+        raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
+    if layer_loop == "auto":
+        return "unrolled" if jax.default_backend() == "cpu" else "scan"
+    return layer_loop
+
+
+def merge_target(graphdef, state, layer_loop: str = "auto") -> TargetModel:
+    """``nnx.merge`` for the decode programs; an unrolled layer loop slices the layers once up front."""
+    model = nnx.merge(graphdef, state)
+    return model.unroll_layers() if resolve_layer_loop(layer_loop) == "unrolled" else model
 
 
 def forward_beside_context(model: TargetModel, tokens_bt, positions_bt, ctx: KVCache, mask_bt_st):
     """Final-norm hidden states of tokens that attend to a fixed context cache (e.g. a teacher-forced
     sequence) and, as ``mask`` says, to each other; nothing is written to the cache. Training uses it to
     verify many drafted blocks of one sequence in one pass."""
-    x = model.embed(tokens_bt)
-    for i, layer in enumerate(model.layers):
-        x = layer.beside_context(x, positions_bt, ctx.k[i], ctx.v[i], mask_bt_st)
-    return model.norm(x)
+
+    def attend_at(layer, carry):
+        def attend(q, k, v):
+            ctx_k = jax.lax.dynamic_index_in_dim(ctx.k, layer, 0, keepdims=False)
+            ctx_v = jax.lax.dynamic_index_in_dim(ctx.v, layer, 0, keepdims=False)
+            return attention_beside_context(q, k, v, ctx_k, ctx_v, mask_bt_st), carry
+
+        return attend
+
+    hidden, _, _ = model.run_layers(model.embed(tokens_bt), positions_bt, attend_at, None)
+    return hidden
 
 
-def prefill(model: TargetModel, tokens_bp, prompt_lens_b, cache: KVCache, feature_layers=()):
+def prefill(model: TargetModel, tokens_bp, prompt_lens_b, cache: KVCache, feature_layers=(), attention="auto"):
     """Runs right-padded prompts; returns the logits at each row's last prompt token, the cache with
     lengths set to the prompt lengths, and the features of all prompt positions (or None)."""
-    out = model(tokens_bp, cache, feature_layers=feature_layers)
+    out = model(tokens_bp, cache, feature_layers=feature_layers, attention=attention)
     last_bd = jnp.take_along_axis(out.hidden, (prompt_lens_b - 1)[:, None, None], axis=1)[:, 0]
     return model.logits(last_bd), out.cache.replace(lengths=prompt_lens_b), out.features

@@ -14,7 +14,8 @@ import time
 import jax
 import numpy as np
 
-from retrace_jax.data import (DataError, PrepareSettings, begin_manifest, byte_encoder, check_manifest, chat_encoder, drop_long,
+from retrace_jax.data import (DataError, PrepareSettings, begin_manifest, byte_encoder, check_manifest,
+                              check_prompt_lengths, chat_encoder, drop_long,
                               finish_manifest, iter_prompt_ids, load_tokenizer, prepare_shards, read_prompts)
 from retrace_jax.distributed import barrier
 from retrace_jax.generation import generate
@@ -49,6 +50,8 @@ def prompt_ids(cfg: TrainConfig, vocab: int, tokenizer, log) -> list[list[int]]:
     if d.drop_long_prompts:
         ids, dropped = drop_long(ids, d.max_prompt_len, limit)
         log({"event": "dropped_long_prompts", "kept": len(ids), "dropped": dropped, "max_prompt_len": d.max_prompt_len})
+    else:
+        check_prompt_lengths(ids, d.max_prompt_len)  # never cut (evaluation prompts included)
     return ids
 
 
@@ -65,7 +68,6 @@ def prepare(cfg, log=print) -> str:
         raise DataError(f"{len(ids)} prompts leave none for training after holding out {n_eval} for evaluation")
     train_ids, eval_ids = ids[: len(ids) - n_eval], ids[len(ids) - n_eval :]
     out = cfg.data_dir
-    eval_ids = [p[: d.max_prompt_len] for p in eval_ids]
     settings = PrepareSettings(num_prompts=len(train_ids), shard_size=d.shard_size, max_prompt_len=d.max_prompt_len,
                                max_new_tokens=d.max_new_tokens, temperature=d.temperature, source=str(d.prompts))
     eval_path = os.path.join(out, "eval_prompts.json")

@@ -1,5 +1,5 @@
-"""Verification: how many proposals the target accepts (greedy or by rejection sampling), and which
-tokens a round commits."""
+"""Verification: how many proposals the target accepts (greedy, by rejection sampling, or by the
+official DFlash rule of matching the target's own samples), and which tokens a round commits."""
 
 from __future__ import annotations
 
@@ -66,3 +66,22 @@ def rejection_sample(keys_b, proposals_bk, target_logp_bjv, draft_logp_bkv=None)
     residual = jnp.where((a < k)[:, None], residual, p_a)  # all accepted: the bonus comes from p
     residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_a)
     return a, _sample_rows(keys[:, 1], jnp.log(residual))
+
+
+def target_sample_match(keys_b, proposals_bk, target_logp_bjv):
+    """The official DFlash rule at T > 0: ``(a, tokens [B, K + 1])``, of which the first ``a + 1`` commit.
+
+    The target draws its own token ``y[k]`` from ``target_logp[b, k]`` at every block slot (independent
+    draws, one key each from the row's key), proposals (the drafter's argmax) are accepted while
+    ``proposal[k] == y[k]``, and the round commits the accepted proposals then ``y[a]``: exactly the
+    tokens ``y[:a + 1]``. Lossless: each committed token is a draw from the target's distribution given
+    the tokens before it. For a fixed proposal ``x`` a slot accepts with probability ``p(x)`` and on a
+    mismatch commits ``y ~ p`` conditioned on ``y != x``, which is ``p`` without ``x``, renormalised: the
+    same law as the one-hot rejection rule (:func:`rejection_sample` without ``draft_logp``), for the
+    acceptance lengths as for the tokens; only the use of the random stream differs.
+    """
+    j = target_logp_bjv.shape[1]
+    keys_bj = jax.vmap(lambda key: jax.random.split(key, j))(keys_b)  # [B, K + 1, 2]
+    sampled_bj = jax.vmap(_sample_rows)(keys_bj, target_logp_bjv)
+    a = accepted_count(proposals_bk, sampled_bj)
+    return a, committed_tokens(proposals_bk, sampled_bj, a)

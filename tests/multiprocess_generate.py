@@ -14,7 +14,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import retrace_jax as rj  # noqa: E402
-from tests.test_drafter import randomize  # noqa: E402
+from tests.helpers import randomize  # noqa: E402
 
 
 def main():

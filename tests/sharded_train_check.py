@@ -18,8 +18,7 @@ import retrace_jax as rj  # noqa: E402
 from retrace_jax.hf_io import model_specs  # noqa: E402
 from retrace_jax.sharding import batch_sharding, named_sharding  # noqa: E402
 from retrace_jax.train_step import StepOptions, adamw, init_opt_state, make_train_step  # noqa: E402
-from tests.hf_models import make_hf_model, save_hf_model  # noqa: E402
-from tests.test_drafter import randomize  # noqa: E402
+from tests.helpers import make_hf_model, randomize, save_hf_model  # noqa: E402
 
 
 def run(target, drafter, tokens, mask, opts, mesh):

@@ -14,20 +14,9 @@ from safetensors.torch import load_file as load_torch
 
 import retrace_jax as rj
 from tests.dflash_reference import RefDFlashDraftModel
+from tests.helpers import randomize
 
 TOL = 1e-4
-
-
-def randomize(module, seed=0, scale=0.15):
-    """Replaces every parameter with N(0, scale) noise (norm scales around 1), so tests exercise them."""
-    graphdef, state = nnx.split(module)
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-    new = [
-        (1.0 + 0.1 * jax.random.normal(k, x.shape) if x.ndim == 1 else scale * jax.random.normal(k, x.shape)).astype(x.dtype)
-        for k, x in zip(keys, leaves)
-    ]
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, new))
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +119,26 @@ def test_not_a_drafter_directory(target, hf_model_dir, tmp_path):
         rj.load_drafter(hf_model_dir("qwen3")[1], target)
     with pytest.raises(FileNotFoundError):
         rj.load_drafter(str(tmp_path / "missing"), target)
+
+
+def test_repeated_target_layer_ids_are_kept_with_a_warning(tmp_path):
+    """The official formula gives (1, 1) for a 4-layer target and 2 drafter layers: kept, but warned about
+    at creation and at loading; distinct ids give no warning."""
+    import warnings
+
+    from retrace_jax.drafter import default_target_layer_ids
+    from retrace_jax.tiny import tiny_target
+
+    target = tiny_target()
+    assert target.cfg.num_layers == 4
+    assert default_target_layer_ids(4, 2) == (1, 1)
+    with pytest.warns(UserWarning, match=r"target_layer_ids \[1, 1\] repeat layer\(s\) \[1\]"):
+        d = rj.init_drafter(target.cfg, mask_token_id=3, num_layers=2, block_size=4)
+    assert d.cfg.target_layer_ids == (1, 1)
+    rj.save_drafter(d, str(tmp_path))
+    with pytest.warns(UserWarning, match=r"repeat layer\(s\) \[1\]"):
+        loaded = rj.load_drafter(str(tmp_path), target)
+    assert loaded.cfg.target_layer_ids == (1, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rj.init_drafter(target.cfg, mask_token_id=3, num_layers=2, block_size=4, target_layer_ids=(0, 2))

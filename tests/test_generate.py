@@ -1,19 +1,11 @@
 """Greedy generation as one program: equal to transformers, batch-invariant, exact stopping."""
 
 import pytest
-import torch
 
 import retrace_jax as rj
-from tests.compile_count import count_compiles
+from tests.helpers import count_compiles, hf_greedy
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17], [3], [40, 41]]
-
-
-def hf_greedy(model, prompt, n):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def test_batched_greedy_equals_hf_generate(family, hf_model_dir):
@@ -84,3 +76,24 @@ def test_bad_inputs_give_clear_errors(hf_model_dir):
         rj.generate(target, [[1]], stop_token_ids=[-3])
     with pytest.raises(ValueError, match="temperature"):
         rj.generate(target, [[1]], temperature=-0.7)
+
+
+def test_layer_loops_and_attention_paths_give_the_same_tokens():
+    """Scanned or unrolled layers, chunked or dense attention: the same greedy tokens. A bfloat16 cache
+    of a float32 model runs (its rounding may change tokens, so only the lengths are checked)."""
+    import retrace_jax as rj
+    from retrace_jax.tiny import tiny_target
+
+    target = tiny_target()
+    drafter = rj.init_drafter(target.cfg, mask_token_id=511, num_layers=1, block_size=4)
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    want = rj.generate(target, prompts, 20, layer_loop="scan", attention="dense").tokens
+    for kwargs in ({"layer_loop": "unrolled"}, {"layer_loop": "scan", "attention": "chunked"},
+                   {"drafter": drafter, "layer_loop": "unrolled"}, {"drafter": drafter, "layer_loop": "scan"}):
+        assert rj.generate(target, prompts, 20, **kwargs).tokens == want, kwargs
+    half = rj.generate(target, prompts, 20, cache_dtype="bfloat16", drafter=drafter)
+    assert [len(t) for t in half.tokens] == [20, 20]
+    with pytest.raises(ValueError, match="layer_loop"):
+        rj.generate(target, prompts, 4, layer_loop="python")
+    with pytest.raises(ValueError, match="attention"):
+        rj.generate(target, prompts, 4, attention="flash")

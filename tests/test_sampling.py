@@ -12,8 +12,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 import retrace_jax as rj
 from retrace_jax.sampling import SamplingMode, filtered_logprobs
-from tests.hf_models import make_hf_model, save_hf_model
-from tests.test_drafter import randomize
+from tests.helpers import make_hf_model, randomize, save_hf_model
 
 VOCAB = 6
 PROMPT = [1, 4, 2]
@@ -81,16 +80,41 @@ DRAWS = 6000
 N_TOKENS = 3  # with block size 3, the third token may come from the second slot of a round
 
 
-@pytest.mark.parametrize("method", ["plain", "argmax", "sample"])
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 4, 0.9)])
-def test_speculative_sampling_is_exact(small_vocab, method, temperature, top_k, top_p):
-    model, target = small_vocab
-    kwargs = {}
-    if method != "plain":
-        drafter = randomize(rj.init_drafter(target.cfg, mask_token_id=5, num_layers=1, block_size=3), seed=1, scale=0.3)
-        kwargs = dict(drafter=drafter, draft_rule=method)
-    out = rj.generate(target, [PROMPT] * DRAWS, max_new_tokens=N_TOKENS, temperature=temperature, top_k=top_k,
-                      top_p=top_p, seed=11, **kwargs)
+SETTINGS = [(1.0, 0, 1.0), (0.8, 4, 0.9)]
+_RUNS: dict = {}
+
+
+def sampled_run(small_vocab, method, temperature, top_k, top_p):
+    """``DRAWS`` rows of the same prompt decoded by ``method`` (plain or a draft rule); cached, so the
+    tests below share the runs."""
+    key = (method, temperature, top_k, top_p)
+    if key not in _RUNS:
+        _, target = small_vocab
+        kwargs = {}
+        if method != "plain":
+            drafter = randomize(rj.init_drafter(target.cfg, mask_token_id=5, num_layers=1, block_size=3), seed=1,
+                                scale=0.3)
+            kwargs = dict(drafter=drafter, draft_rule=method)
+        _RUNS[key] = rj.generate(target, [PROMPT] * DRAWS, max_new_tokens=N_TOKENS, temperature=temperature,
+                                 top_k=top_k, top_p=top_p, seed=11, **kwargs)
+    return _RUNS[key]
+
+
+# Each case compiles a program for 6000 rows. The default run keeps four that between them cover plain
+# sampling, the three draft rules and the filters; the others are marked slow (pytest -m slow).
+@pytest.mark.parametrize("temperature,top_k,top_p,method", [
+    (1.0, 0, 1.0, "plain"),
+    (1.0, 0, 1.0, "argmax"),
+    (1.0, 0, 1.0, "target_sample"),
+    (0.8, 4, 0.9, "sample"),
+    pytest.param(1.0, 0, 1.0, "sample", marks=pytest.mark.slow),
+    pytest.param(0.8, 4, 0.9, "plain", marks=pytest.mark.slow),
+    pytest.param(0.8, 4, 0.9, "argmax", marks=pytest.mark.slow),
+    pytest.param(0.8, 4, 0.9, "target_sample", marks=pytest.mark.slow),
+])
+def test_speculative_sampling_is_exact(small_vocab, temperature, top_k, top_p, method):
+    model, _ = small_vocab
+    out = sampled_run(small_vocab, method, temperature, top_k, top_p)
     counts = {}
     for t in out.tokens:
         counts[tuple(t)] = counts.get(tuple(t), 0) + 1
@@ -103,10 +127,30 @@ def test_speculative_sampling_is_exact(small_vocab, method, temperature, top_k, 
         assert 1 in rounds and max(rounds) > 1  # both rejections and acceptances happened
 
 
+def first_round_counts(out) -> np.ndarray:
+    """How many rows committed 1, 2, ... tokens in their first round."""
+    return np.bincount([lens[0] for lens in out.acceptance_lengths], minlength=4)[1:]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [SETTINGS[0], pytest.param(*SETTINGS[1], marks=pytest.mark.slow)])
+def test_official_rule_accepts_like_one_hot_rejection(small_vocab, temperature, top_k, top_p):
+    """The official rule (accept while the argmax equals the target's sample) and one-hot rejection
+    (accept x with probability p(x)) accept each proposal with the same probability: their first-round
+    acceptance lengths agree in distribution (two-sample chi-square), while the rule with proposals drawn
+    from q, which accepts with probability sum(min(p, q)), does not."""
+    official = first_round_counts(sampled_run(small_vocab, "target_sample", temperature, top_k, top_p))
+    one_hot = first_round_counts(sampled_run(small_vocab, "argmax", temperature, top_k, top_p))
+    from_q = first_round_counts(sampled_run(small_vocab, "sample", temperature, top_k, top_p))
+    assert official.min() > 50  # every length occurs often
+    assert stats.chi2_contingency(np.stack([official, one_hot])).pvalue > 1e-3
+    assert stats.chi2_contingency(np.stack([official, from_q])).pvalue < 1e-6  # the test can fail
+
+
 def test_seed_reproducible_and_rows_independent(small_vocab):
     _, target = small_vocab
     drafter = rj.init_drafter(target.cfg, mask_token_id=5, num_layers=1, block_size=4)
-    for kwargs in ({}, {"drafter": drafter}, {"drafter": drafter, "draft_rule": "sample"}):
+    for kwargs in ({}, {"drafter": drafter}, {"drafter": drafter, "draft_rule": "sample"},
+                   {"drafter": drafter, "draft_rule": "target_sample"}):
         a = rj.generate(target, [PROMPT] * 8, 12, temperature=1.0, seed=5, **kwargs)
         b = rj.generate(target, [PROMPT] * 8, 12, temperature=1.0, seed=5, **kwargs)
         c = rj.generate(target, [PROMPT] * 8, 12, temperature=1.0, seed=6, **kwargs)

@@ -6,10 +6,9 @@ import pytest
 
 import retrace_jax as rj
 import retrace_jax.generation as generation
-from tests.compile_count import count_compiles
+from tests.helpers import count_compiles, hf_greedy, randomize
 from tests.dflash_reference import RefDFlashDraftModel, reference_spec_generate
-from tests.test_drafter import randomize
-from tests.test_generate import PROMPTS, hf_greedy
+from tests.test_generate import PROMPTS
 
 
 def random_drafter(target, block_size=4, seed=0):

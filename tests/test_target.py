@@ -67,6 +67,21 @@ def test_features_are_chosen_layer_outputs(hf_model_dir):
         target(jnp.asarray(ids), target.init_cache(1, 8), feature_layers=(3,))
 
 
+def test_last_layer_feature_is_the_final_norm_state(hf_model_dir):
+    """As in transformers' hidden_states[L] (and the official DFlash code): layer L-1's feature is the
+    final-norm state, also when asked for twice and next to other layers."""
+    model, directory = hf_model_dir("qwen3")
+    target = rj.load_target(directory)
+    ids = np.random.RandomState(5).randint(0, 128, (2, 7))
+    last = target.cfg.num_layers - 1
+    out = target(jnp.asarray(ids), target.init_cache(2, 8), feature_layers=(last, 0, last))
+    with torch.no_grad():
+        hs = model(torch.tensor(ids), output_hidden_states=True).hidden_states
+    ref = np.concatenate([hs[last + 1].numpy(), hs[1].numpy(), hs[last + 1].numpy()], -1)
+    np.testing.assert_allclose(np.asarray(out.features), ref, atol=TOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(out.features[..., :64]), np.asarray(out.hidden), atol=0)
+
+
 def test_stale_cache_entries_are_never_read(hf_model_dir):
     """Garbage past a row's length (e.g. rejected draft tokens) does not change the result."""
     _, directory = hf_model_dir("qwen3")

@@ -11,9 +11,10 @@ from safetensors.numpy import load_file
 
 import retrace_jax as rj
 import train
-from retrace_jax.data import DataError, PrepareSettings, drop_long, prepare_shards, read_prompts
+from retrace_jax.data import (DataError, PrepareSettings, check_prompt_lengths, drop_long, prepare_shards,
+                              read_prompts)
 from retrace_jax.trainer import load_config
-from tests.hf_models import make_hf_model, save_hf_model, save_word_tokenizer
+from tests.helpers import make_hf_model, save_hf_model, save_word_tokenizer
 
 PROMPT_LINES = [
     {"conversations": [{"from": "human", "value": "w5 w6 w7 w8"}, {"from": "gpt", "value": "w9"}]},
@@ -158,11 +159,22 @@ def test_long_prompts_are_dropped_not_cut_and_paths_expand(tmp_path, monkeypatch
     ids = [[1] * n for n in (3, 9, 4, 12, 5, 2)]
     assert drop_long(ids, 5) == ([[1] * 3, [1] * 4, [1] * 5, [1] * 2], 2)
     assert drop_long(ids, 5, limit=2) == ([[1] * 3, [1] * 4], 2)
+    check_prompt_lengths(ids, 12)
+    with pytest.raises(DataError, match=r"2 of 6 prompts are longer than max_prompt_len=5 tokens \(the longest, "
+                                        r"prompt 3, has 12\)\. Prompts are never cut"):
+        check_prompt_lengths(ids, 5)
+    # Preparation refuses a prompt that does not fit before it writes or generates anything.
+    settings = PrepareSettings(num_prompts=6, shard_size=4, max_prompt_len=5, max_new_tokens=3)
+    with pytest.raises(DataError, match="drop_long_prompts"):
+        prepare_shards(str(tmp_path / "data"), ids, settings, lambda c, first: pytest.fail("generated"),
+                       progress=False)
+    assert not (tmp_path / "data").exists()
     monkeypatch.setenv("HOME", str(tmp_path))
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({"target": "~/model", "data": {"prompts": "~/p.jsonl"}}))
     cfg = load_config(str(config))
     assert cfg["target"] == str(tmp_path / "model") and cfg["data"]["prompts"] == str(tmp_path / "p.jsonl")
+    assert cfg["data"]["drop_long_prompts"] is True  # dropping is the default
 
 
 def test_bad_configs_fail_clearly_and_lose_nothing(workspace, dflash_run, tmp_path):

@@ -1,0 +1,214 @@
+"""The accelerator check: decode speed against the memory roofline, round cost, prefill, compile times and
+kernel parity, on Qwen3-4B- and Qwen3-8B-shaped random weights with the published 5-layer, block-16
+drafter. Run through ``scripts/device_check.sh``, which writes ``device_check.json`` and
+``device_check.md``.
+
+    python benchmarks/device_check.py --out-dir results/        # on a GPU or TPU (bf16)
+    python benchmarks/device_check.py --smoke --out-dir /tmp/x   # any machine: tiny shapes, a few minutes
+
+Random weights time the work as well as real ones (it does not depend on the values). The speedup it
+implies for a τ (tokens per round) is ``τ * plain_step / round``; the break-even τ is ``round / plain_step``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import retrace_jax as rj  # noqa: E402
+from retrace_jax.attention import cached_attention, reference_attention  # noqa: E402
+from retrace_jax.plain_loop import plain_init, plain_step  # noqa: E402
+from retrace_jax.sampling import SamplingParams  # noqa: E402
+from retrace_jax.speculative_loop import SpeculativeStepper  # noqa: E402
+from retrace_jax.target import prefill  # noqa: E402
+from retrace_jax.tiny import TINY_QWEN3, tiny_target  # noqa: E402
+
+QWEN3_COMMON = dict(num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, vocab_size=151936,
+                    rope_theta=1000000.0, max_position_embeddings=40960)
+PRESETS = {  # config, drafter layers, block size
+    "qwen3-4b": (dataclasses.replace(TINY_QWEN3, hidden_size=2560, intermediate_size=9728, **QWEN3_COMMON), 5, 16),
+    "qwen3-8b": (dataclasses.replace(TINY_QWEN3, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False,
+                                     **QWEN3_COMMON), 5, 16),
+    "smoke": (dataclasses.replace(TINY_QWEN3, max_position_embeddings=8192), 2, 8),
+}
+HBM_GB_S = {"H200": 4800, "H100": 3350, "A100": 2039, "L4": 300, "TPU v5 lite": 819, "TPU v5": 2765, "TPU v4": 1200,
+            "TPU v6 lite": 1640}
+PUBLISHED_TAU = 6.5  # DFlash-b16 on Qwen3 (greedy), the paper's headline acceptance length
+
+
+def block(x):
+    return jax.block_until_ready(x)
+
+
+def median_ms(fn, n: int) -> float:
+    block(fn())
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        block(fn())
+        times.append(time.perf_counter() - start)
+    return 1e3 * float(np.median(times))
+
+
+def compile_s(fn) -> float:
+    start = time.perf_counter()
+    block(fn())
+    return time.perf_counter() - start
+
+
+def bandwidth(device) -> float | None:
+    kind = getattr(device, "device_kind", "")
+    for name, gbs in sorted(HBM_GB_S.items(), key=lambda kv: -len(kv[0])):
+        if name.lower() in kind.lower():
+            return gbs
+    return None
+
+
+def weight_bytes(module) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+
+def decode_rows(name, target, drafter, block_size, batches, context, steps, dtype, gbs):
+    rows = []
+    tdef, tstate = nnx.split(target)
+    sampling = SamplingParams.make()
+    stops = jnp.full((8,), -1, jnp.int32)
+    wbytes = weight_bytes(target)
+    for batch in batches:
+        tokens = jnp.ones((batch, context), jnp.int32)
+        lens, live = jnp.full((batch,), context, jnp.int32), jnp.ones((batch,), bool)
+        init = jax.jit(lambda s, t: plain_init(nnx.merge(tdef, s), t, lens, live, 10**6, stops, sampling,
+                                               capacity=4 * steps + 64))
+        step = jax.jit(lambda s, consts, c: plain_step(nnx.merge(tdef, s), consts, c))
+        c_init = compile_s(lambda: init(tstate, tokens))
+        consts, carry = init(tstate, tokens)
+        c_step = compile_s(lambda: step(tstate, consts, carry))
+        ms = median_ms(lambda: step(tstate, consts, carry), steps)
+        roof_ms = None if gbs is None else 1e3 * wbytes / (gbs * 1e9)
+        rows.append({"model": name, "what": "plain decode step", "batch": batch, "context": context,
+                     "ms": round(ms, 3), "tokens_per_s": round(1e3 * batch / ms, 1),
+                     "roofline_ms": None if roof_ms is None else round(roof_ms, 3),
+                     "of_roofline": None if roof_ms is None else round(roof_ms / ms, 2),
+                     "compile_s": round(c_init + c_step, 1)})
+    plain_ms = rows[0]["ms"]
+    # verify pass and full round at batch 1
+    ids = drafter.cfg.target_layer_ids
+    cache = target.init_cache(1, context + 2 * block_size, dtype).replace(lengths=jnp.full((1,), context, jnp.int32))
+    verify = jax.jit(lambda s, c, b: nnx.merge(tdef, s)(b, c, feature_layers=ids).hidden)
+    blk = jnp.ones((1, block_size), jnp.int32)
+    c_verify = compile_s(lambda: verify(tstate, cache, blk))
+    verify_ms = median_ms(lambda: verify(tstate, cache, blk), steps)
+    stepper = SpeculativeStepper(target, drafter, capacity=4 * steps + 64, block_size=block_size)
+    tokens = jnp.ones((1, context), jnp.int32)
+    c_round = compile_s(lambda: stepper.init(tokens, jnp.full((1,), context, jnp.int32), jnp.ones((1,), bool),
+                                             10**6, stops, sampling).buf.num)
+    first = stepper.carry
+    c_round += compile_s(lambda: stepper.step().accepted_b)
+
+    def one_round():
+        stepper.carry = first
+        return stepper.step().accepted_b
+
+    round_ms = median_ms(one_round, steps)
+    rows.append({"model": name, "what": f"verify pass ({block_size} tokens)", "batch": 1, "context": context,
+                 "ms": round(verify_ms, 3), "vs_plain_step": round(verify_ms / plain_ms, 2),
+                 "compile_s": round(c_verify, 1)})
+    rows.append({"model": name, "what": "speculative round", "batch": 1, "context": context, "ms": round(round_ms, 3),
+                 "vs_plain_step": round(round_ms / plain_ms, 2), "compile_s": round(c_round, 1),
+                 "break_even_tau": round(round_ms / plain_ms, 2),
+                 f"speedup_at_tau_{PUBLISHED_TAU}": round(PUBLISHED_TAU * plain_ms / round_ms, 2)})
+    return rows
+
+
+def prefill_rows(name, target, lengths, repeats):
+    rows = []
+    tdef, tstate = nnx.split(target)
+    for length in lengths:
+        fn = jax.jit(lambda s, t: prefill(nnx.merge(tdef, s), t, jnp.full((1,), length, jnp.int32),
+                                          nnx.merge(tdef, s).init_cache(1, length))[0])
+        tokens = jnp.ones((1, length), jnp.int32)
+        c = compile_s(lambda: fn(tstate, tokens))
+        ms = median_ms(lambda: fn(tstate, tokens), repeats)
+        rows.append({"model": name, "what": "prefill", "batch": 1, "context": length, "ms": round(ms, 1),
+                     "tokens_per_s": round(1e3 * length / ms), "compile_s": round(c, 1)})
+    return rows
+
+
+def parity_rows(dtype):
+    """The default attention path against the dense reference, on this device, in ``dtype``."""
+    rows = []
+    rng = np.random.default_rng(0)
+    for t, s, limit in ((1, 4096, 3000), (16, 4096, 1500), (512, 2048, None)):
+        k = jnp.asarray(rng.standard_normal((1, 2, s, 8, 128)), dtype)
+        v = jnp.asarray(rng.standard_normal((1, 2, s, 8, 128)), dtype)
+        q = jnp.asarray(rng.standard_normal((2, t, 32, 128)), dtype)
+        lim = (jnp.full((2, t), limit, jnp.int32) if limit else jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) + 1,
+                                                                                   (2, t)))
+        got = jax.jit(lambda q, k, v, lim: cached_attention(q, k, v, 0, lim))(q, k, v, lim)
+        mask = jnp.arange(s)[None, None, :] < lim[:, :, None]
+        want = reference_attention(q.astype(jnp.float32), k[0].astype(jnp.float32), v[0].astype(jnp.float32), mask)
+        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)))
+        rows.append({"model": "attention", "what": f"auto vs reference, {t} queries, {s} slots", "dtype": str(dtype),
+                     "max_abs_err": f"{err:.2e}"})
+    return rows
+
+
+def markdown(rows, header) -> str:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    lines = [header, "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join("" if r.get(k) is None else str(r.get(k)) for k in keys) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on any device (minutes on a CPU)")
+    p.add_argument("--presets", default="qwen3-4b,qwen3-8b")
+    p.add_argument("--out-dir", default=".")
+    p.add_argument("--budget-s", type=float, default=420, help="skip what is left after this many seconds")
+    args = p.parse_args()
+    start = time.perf_counter()
+    device = jax.devices()[0]
+    dtype = jnp.float32 if args.smoke or device.platform == "cpu" else jnp.bfloat16
+    presets = ["smoke"] if args.smoke else args.presets.split(",")
+    batches, context, steps = ((1, 4), 64, 5) if args.smoke else ((1, 8, 32), 1024, 20)
+    lengths = (512, 2048) if args.smoke else (8192, 32768)
+    gbs = bandwidth(device)
+    rows = parity_rows(dtype) if not args.smoke else parity_rows(jnp.float32)
+    skipped = []
+    for name in presets:
+        if time.perf_counter() - start > args.budget_s:
+            skipped.append(name)
+            continue
+        cfg, drafter_layers, block_size = PRESETS[name]
+        target = tiny_target(cfg=cfg, dtype=dtype)
+        drafter = rj.init_drafter(cfg, mask_token_id=cfg.vocab_size - 1, num_layers=drafter_layers,
+                                  block_size=block_size, dtype=dtype)
+        rows += decode_rows(name, target, drafter, block_size, batches, context, steps, dtype, gbs)
+        rows += prefill_rows(name, target, lengths, 3)
+        del target, drafter
+    header = (f"Device check on {device.device_kind} ({device.platform}), {jnp.dtype(dtype).name}, jax {jax.__version__}"
+              f"; HBM {gbs or 'unknown'} GB/s; {time.perf_counter() - start:.0f} s"
+              + (f"; skipped (time budget): {', '.join(skipped)}" if skipped else ""))
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "device_check.json"), "w") as f:
+        json.dump({"header": header, "rows": rows}, f, indent=2)
+    text = markdown(rows, header)
+    with open(os.path.join(args.out_dir, "device_check.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

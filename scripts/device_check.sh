@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The accelerator check: one command, at most 8 minutes. Writes device_check.json and device_check.md to
+# $OUT (the device tool's output folder) or to ./device_check/, and prints the table.
+#   bash scripts/device_check.sh            # on a GPU or TPU
+#   bash scripts/device_check.sh --smoke    # anywhere: tiny shapes (a few minutes on a CPU)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-device_check}"
+mkdir -p "$out"
+if ! python -c "import retrace_jax" 2>/dev/null; then
+  pip install -q -e . >"$out/pip.log" 2>&1
+fi
+python -c "import jax; print('jax', jax.__version__, jax.devices())"
+timeout 470 python benchmarks/device_check.py --out-dir "$out" "$@"

@@ -1,0 +1,88 @@
+"""The chunked attention (online softmax over cache chunks, query chunks for prefill) against the dense
+reference, and the in-place cache writes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from retrace_jax.attention import cache_slots, cached_attention, reference_attention
+from retrace_jax.kv_cache import KVCache, write_rows
+
+
+def _random_cache(rng, layers, batch, slots, kv_heads, head_dim, dtype):
+    k = rng.standard_normal((layers, batch, slots, kv_heads, head_dim)).astype(np.float32)
+    v = rng.standard_normal((layers, batch, slots, kv_heads, head_dim)).astype(np.float32)
+    return jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+
+
+@pytest.mark.parametrize("t,slots,kv_chunk,q_chunk", [(1, 64, 16, 16), (5, 64, 16, 16), (40, 64, 16, 8),
+                                                      (3, 48, 48, 16), (33, 96, 32, 32)])
+@pytest.mark.parametrize("extra", [False, True])
+def test_chunked_matches_reference(t, slots, kv_chunk, q_chunk, extra):
+    rng = np.random.default_rng(t * 100 + slots)
+    b, h, kv, d, layer = 3, 4, 2, 8, 1
+    k, v = _random_cache(rng, 2, b, slots, kv, d, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
+    # ragged limits: a row with one visible slot, a row up to the end, and causal-style limits
+    limit = np.stack([np.full(t, 1), np.full(t, slots), np.minimum(np.arange(t) + 7, slots)]).astype(np.int32)
+    ek = ev = None
+    mask = np.arange(slots)[None, None, :] < limit[:, :, None]
+    keys, values = k[layer], v[layer]
+    if extra:
+        ek = jnp.asarray(rng.standard_normal((b, 4, kv, d)), jnp.float32)
+        ev = jnp.asarray(rng.standard_normal((b, 4, kv, d)), jnp.float32)
+        keys, values = jnp.concatenate([keys, ek], 1), jnp.concatenate([values, ev], 1)
+        mask = np.concatenate([mask, np.ones((b, t, 4), bool)], -1)
+    want = reference_attention(q, keys, values, jnp.asarray(mask))
+    got = cached_attention(q, k, v, jnp.int32(layer), jnp.asarray(limit), ek, ev, implementation="chunked",
+                           kv_chunk=kv_chunk, q_chunk=q_chunk)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-5)
+    dense = cached_attention(q, k, v, layer, jnp.asarray(limit), ek, ev, implementation="dense")
+    np.testing.assert_allclose(np.asarray(dense), np.asarray(want), atol=2e-6, rtol=2e-5)
+
+
+def test_chunked_bfloat16_close_to_reference():
+    rng = np.random.default_rng(0)
+    k, v = _random_cache(rng, 1, 2, 128, 2, 16, jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((2, 4, 4, 16)), jnp.bfloat16)
+    limit = jnp.asarray([[50] * 4, [128] * 4], jnp.int32)
+    mask = jnp.arange(128)[None, None, :] < limit[:, :, None]
+    want = reference_attention(q.astype(jnp.float32), k[0].astype(jnp.float32), v[0].astype(jnp.float32), mask)
+    got = cached_attention(q, k, v, 0, limit, kv_chunk=32)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=3e-2)
+
+
+def test_walk_stops_at_the_longest_row():
+    """Slots past every query's limit are never read: poisoning them changes nothing."""
+    rng = np.random.default_rng(1)
+    k, v = _random_cache(rng, 1, 2, 256, 2, 8, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((2, 1, 2, 8)), jnp.float32)
+    limit = jnp.asarray([[40], [70]], jnp.int32)
+    clean = cached_attention(q, k, v, 0, limit, kv_chunk=32)
+    poisoned = cached_attention(q, k.at[:, :, 96:].set(jnp.nan), v.at[:, :, 96:].set(jnp.nan), 0, limit, kv_chunk=32)
+    np.testing.assert_array_equal(np.asarray(clean), np.asarray(poisoned))
+
+
+def test_cache_slots_tile_into_chunks():
+    assert cache_slots(10, 512) == 10 and cache_slots(512, 512) == 512 and cache_slots(513, 512) == 1024
+    with pytest.raises(ValueError, match="does not tile"):
+        k = jnp.zeros((1, 1, 48, 1, 4))
+        cached_attention(jnp.zeros((1, 1, 1, 4)), k, k, 0, jnp.ones((1, 1), jnp.int32), kv_chunk=32)
+
+
+def test_write_rows_at_each_rows_offset():
+    buf = jnp.zeros((2, 3, 10, 1, 2))
+    new = jnp.arange(3 * 4 * 2, dtype=jnp.float32).reshape(3, 4, 1, 2) + 1
+    out = np.asarray(write_rows(buf, 1, new, jnp.asarray([0, 3, 8])))
+    assert not out[0].any()
+    np.testing.assert_array_equal(out[1, 0, 0:4], new[0])
+    np.testing.assert_array_equal(out[1, 1, 3:7], new[1])
+    np.testing.assert_array_equal(out[1, 2, 8:10], new[2, :2])  # rows past the end are dropped
+    assert not out[1, 0, 4:].any() and not out[1, 1, :3].any()
+
+
+def test_cache_allocation_rounds_to_chunks():
+    cache = KVCache.zeros(2, 1, 600, 2, 4, jnp.float32)
+    assert cache.max_len == cache_slots(600)

@@ -1,0 +1,94 @@
+"""The decode loops update their KV caches in place: the compiled while-loop bodies hold no copy or
+transpose of a cache-sized buffer (read from the optimised HLO, after XLA's copy insertion)."""
+
+import re
+
+import numpy as np
+import pytest
+from flax import nnx
+
+import retrace_jax as rj
+from retrace_jax.plain_loop import plain_generate
+from retrace_jax.sampling import SamplingParams
+from retrace_jax.speculative_loop import speculative_generate
+from retrace_jax.tiny import tiny_target
+
+
+def _computations(hlo: str) -> dict[str, list[str]]:
+    comps, name = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head:
+            name = head.group(1)
+            comps[name] = []
+        elif line.startswith("}"):
+            name = None
+        elif name:
+            comps[name].append(line)
+    return comps
+
+
+def loop_copies(hlo: str, min_elements: int) -> list[str]:
+    """Copy and transpose instructions of at least ``min_elements`` inside the entry's while loops
+    (and everything they call)."""
+    comps = _computations(hlo)
+    entry = re.search(r"^ENTRY %?([\w.\-]+) ", hlo, re.M).group(1)
+    stack = [b for line in comps[entry] for b in re.findall(r"while\(.*body=%?([\w.\-]+)", line)]
+    assert stack, "no while loop in the entry computation"
+    seen, found = set(), []
+    while stack:
+        name = stack.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        for line in comps[name]:
+            stack += re.findall(r"(?:calls|body|condition|to_apply)=%?([\w.\-]+)", line)
+            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+                stack += [x.strip().lstrip("%") for x in group.split(",")]
+            op = re.search(r"= \w+\[([\d,]+)\]\{[^}]*\} (copy|transpose)\(", line)
+            if op and np.prod([int(x) for x in op.group(1).split(",")]) >= min_elements:
+                found.append(line.strip())
+    return found
+
+
+def _inputs():
+    target = tiny_target()
+    tokens = np.zeros((2, 16), np.int32)
+    return target, (tokens, np.asarray([5, 9], np.int32), np.ones((2,), bool), np.int32(32),
+                    np.full((8,), -1, np.int32), SamplingParams.make())
+
+
+def _one_layer_of_cache(cfg, batch, slots):
+    return batch * slots * cfg.num_kv_heads * cfg.head_dim
+
+
+@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
+def test_plain_loop_updates_cache_in_place(layer_loop):
+    target, args = _inputs()
+    graphdef, state = nnx.split(target)
+    hlo = plain_generate.lower(graphdef, state, *args, capacity=512, layer_loop=layer_loop).compile().as_text()
+    copies = loop_copies(hlo, _one_layer_of_cache(target.cfg, 2, 16 + 512))
+    assert not copies, "\n".join(copies)
+
+
+@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
+def test_speculative_loop_updates_both_caches_in_place(layer_loop):
+    target, args = _inputs()
+    drafter = rj.init_drafter(target.cfg, mask_token_id=511, num_layers=2, block_size=8)
+    (tdef, tstate), (ddef, dstate) = nnx.split(target), nnx.split(drafter)
+    hlo = speculative_generate.lower(tdef, tstate, ddef, dstate, *args, capacity=512, block_size=8,
+                                     layer_loop=layer_loop).compile().as_text()
+    copies = loop_copies(hlo, _one_layer_of_cache(target.cfg, 2, 16 + 512 + 8))
+    assert not copies, "\n".join(copies)
+
+
+def test_detector_finds_a_copy():
+    """The check can fail: a loop that transposes its carry is caught."""
+    import jax
+    import jax.numpy as jnp
+
+    def loop(x):
+        return jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (jnp.swapaxes(c[0], 0, 1) + 1, c[1] + 1), (x, 0))[0]
+
+    hlo = jax.jit(loop).lower(jnp.zeros((64, 64))).compile().as_text()
+    assert loop_copies(hlo, 64 * 64)
