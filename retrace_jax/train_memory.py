@@ -40,7 +40,7 @@ def _abstract(module, mesh):
     graphdef, state = nnx.split(module)
     if mesh is None:
         return graphdef, state
-    axes = {s.path: s.axes for s in model_specs(module)}
+    axes = {s.path: s.param_axes for s in model_specs(module)}  # as shard_model places them
     flat = dict(nnx.to_flat_state(state))
     for path, var in flat.items():
         v = var.get_value()
