@@ -8,7 +8,8 @@ The step of the configuration is built on abstract arrays for a target of the gi
 (retrace_jax.train_memory), placed on a mesh of ``--devices`` CPU devices, compiled, and XLA's
 ``memory_analysis()`` is printed per device: arguments (target and drafter weights, optimizer state,
 batch), outputs, temporaries, aliased (donated) buffers and the peak they add up to, and XLA's count of
-floating-point operations per device per step. The numbers are
+floating-point operations per device per step (it counts a loop body once: layers run under ``lax.scan``
+are undercounted). The numbers are
 XLA:CPU's; TPU and GPU compilers schedule differently, so treat them as an estimate of the same program.
 """
 
