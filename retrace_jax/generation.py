@@ -123,7 +123,7 @@ def generate(
         buf = plain_generate(target_def, target_state, tokens, lens, live, max_new, stops, sampling,
                              capacity=capacity, mode=mode, mesh=mesh, cache_dtype=cache_dtype, attention=attention,
                              layer_loop=layer_loop)
-        out_tokens, num = jax.device_get((buf.tokens, buf.num))
+        out_tokens, num = _fetch((buf.tokens, buf.num))
         new = [out_tokens[b, : num[b]].tolist() for b in range(batch)]
         return GenerateOutput(tokens=new, acceptance_lengths=[[1] * len(t) for t in new])
 
@@ -137,11 +137,21 @@ def generate(
         capacity=capacity, block_size=block_size, use_retrace=bool(use_retrace), mode=mode, mesh=mesh,
         cache_dtype=cache_dtype, attention=attention, layer_loop=layer_loop,
     )
-    out_tokens, num, accept, rounds = jax.device_get((buf.tokens, buf.num, accept, rounds))
+    out_tokens, num, accept, rounds = _fetch((buf.tokens, buf.num, accept, rounds))
     return GenerateOutput(
         tokens=[out_tokens[b, : num[b]].tolist() for b in range(batch)],
         acceptance_lengths=[accept[b, : rounds[b]].tolist() for b in range(batch)],
     )
+
+
+def _fetch(tree):
+    """Host copies of the outputs. On a mesh that spans processes every process gathers the whole
+    batch (all of them run this same call, as multi-process JAX requires)."""
+    if all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(tree)):
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
 
 
 def _sampling_mode(temperature, top_k, top_p, draft_rule) -> SamplingMode:

@@ -2,6 +2,7 @@
 (which must see exactly what two inference rounds see)."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -167,3 +168,27 @@ def test_bf16_compute_remat_and_accumulation(qwen3):
                for p, q in zip(snapshots, snapshots[1:])]
     # One update per two accumulated micro-steps; the first update has learning rate 0 (warm-up starts at 0).
     assert changed == [False, False, False, True, False, True]
+
+
+def test_retained_states_are_detached_and_can_be_stored_in_float16(qwen3):
+    rng = np.random.RandomState(1)
+    tokens = jnp.asarray(rng.randint(0, 127, (2, 24)), jnp.int32)
+    mask = jnp.asarray(np.r_[np.zeros(4), np.ones(20)][None].repeat(2, 0), jnp.int32)
+    drafter = rj.init_drafter(qwen3.cfg, mask_token_id=127, num_layers=1, block_size=4, retrace=rj.ReTraceConfig())
+    anchors = jnp.asarray([[4, 9, 14], [5, 10, 15]], jnp.int32)
+    valid = jnp.ones(anchors.shape, bool)
+    graphdef, state = nnx.split(drafter)
+
+    @functools.partial(jax.jit, static_argnames="dtype")
+    def memory(st, dtype=None):
+        return retrace_rollout(nnx.merge(graphdef, st), qwen3, tokens, mask, anchors, valid, 1.0,
+                               memory_dtype=dtype).memory
+
+    full, half = memory(state), memory(state, "float16")
+    for a, b in ((full.mem_d, half.mem_d), (full.mem_t, half.mem_t)):
+        assert b.dtype == a.dtype  # stored rounded, used in the compute dtype
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a.astype(jnp.float16).astype(a.dtype)))
+        assert not np.array_equal(np.asarray(a), np.asarray(b))
+    # Detached: nothing flows back into the drafter through the memory.
+    grads = jax.jit(jax.grad(lambda st: jnp.sum(memory(st).mem_d) + jnp.sum(memory(st).mem_t)))(state)
+    assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves(grads))
