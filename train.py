@@ -66,6 +66,9 @@ def run(args):
 
     cfg = trainer.load_config(args.config, args.set)
     initialize(cfg.train.distributed)  # before anything touches a device
+    from retrace_jax.compile_cache import enable_compilation_cache
+
+    enable_compilation_cache()  # a rerun (e.g. a resume) loads its programs instead of compiling them
     log = MetricsLog(cfg.out, cfg.train.tensorboard)
     try:
         if args.stage in ("all", "prepare"):
