@@ -38,6 +38,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
+from benchmarks.report import median_ms_from  # noqa: E402
 from retrace_jax.plain_loop import plain_init, plain_step  # noqa: E402
 from retrace_jax.sampling import SamplingParams  # noqa: E402
 from retrace_jax.speculative_loop import SpeculativeStepper  # noqa: E402
@@ -108,10 +109,11 @@ def buffer_section(args, target, drafter):
 
 def filled_section(args, target, drafter):
     """One plain step and one speculative round timed alone (the library's ``plain_step`` and
-    ``speculative_round``, jitted) on caches of ``filled_buffer`` slots holding ``filled`` positions."""
+    ``speculative_round``, jitted with the carry donated as in the loop) on caches of ``filled_buffer``
+    slots holding ``filled`` positions, each call started from a copy of the same state."""
     tdef, tstate = nnx.split(target)
     sampling, stops = SamplingParams.make(), jnp.full((8,), -1, jnp.int32)
-    step = jax.jit(lambda s, consts, c: plain_step(nnx.merge(tdef, s), consts, c).buf.num)
+    step = jax.jit(lambda s, consts, c: plain_step(nnx.merge(tdef, s), consts, c), donate_argnums=2)
     rows = []
     for filled in args.filled:
         tokens = jnp.asarray(np.random.default_rng(filled).integers(1, target.cfg.vocab_size - 2, (1, filled)),
@@ -123,25 +125,15 @@ def filled_section(args, target, drafter):
         stepper = SpeculativeStepper(target, drafter, capacity=capacity, block_size=8)
         first = stepper.init(tokens, lens, live, 10**6, stops, sampling)
 
-        def one_round():
-            stepper.carry = first
+        def one_round(state):
+            stepper.carry = state
             return stepper.step().accepted_b
 
-        ms_step = median_ms(lambda: step(tstate, consts, carry), args.steps)
-        ms_round = median_ms(one_round, args.steps)
+        ms_step = median_ms_from(lambda c: step(tstate, consts, c), carry, args.steps)
+        ms_round = median_ms_from(one_round, first, args.steps)
         rows.append({"section": "filled", "buffer_slots": first.target_cache.max_len, "filled": filled,
                      "plain_step_ms": round(ms_step, 3), "speculative_round_ms": round(ms_round, 3)})
     return rows
-
-
-def median_ms(fn, n: int) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
 
 
 def prefill_one(args, length: int) -> dict:
