@@ -3,60 +3,87 @@
     python train.py --config configs/tiny_dflash.yaml                 # prepare the data, then train
     python train.py --config configs/tiny_dflash.yaml --stage prepare # only regenerate the responses
     python train.py --config configs/tiny_retrace.yaml --set train.steps=200
+    python train.py --describe                                        # every config key, its default and docs
 
 Data preparation regenerates the responses to the prompts with the target (resumable shards); training
 fits the drafter (DFlash, or ReTrace's two-round rollout), checkpoints with Orbax and resumes exactly
 from the last checkpoint when rerun, evaluates τ with real speculative generation on held-out prompts,
-and exports the drafter in the official DFlash layout to ``OUT/drafter``. Metrics go to stdout and
-``OUT/metrics.jsonl``.
+and exports the drafter in the official DFlash layout to ``OUT/drafter``. Metrics go to stdout,
+``OUT/metrics.jsonl`` and, when tensorboardX is installed, TensorBoard event files in ``OUT/tensorboard``.
+
+Several processes (one per host) run the same command; see docs/training.md. On one machine:
+
+    JAX_COORDINATOR_ADDRESS=127.0.0.1:12345 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 python train.py --config C &
+    JAX_COORDINATOR_ADDRESS=127.0.0.1:12345 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=1 python train.py --config C
+
+Errors (a bad configuration, a missing file, a diverged run) print one ``error: ...`` line and exit
+with status 1; ``--traceback`` (or ``RETRACE_JAX_TRACEBACK=1``, as for decode.py) shows the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
-from retrace_jax import trainer
+# Errors a user can fix; anything else is a bug and keeps its traceback.
+USER_ERRORS = (OSError, ValueError, ArithmeticError, KeyError)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="a YAML file (see configs/)")
+    p.add_argument("--config", help="a YAML file (see configs/)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. train.steps=200 (repeatable)")
     p.add_argument("--stage", choices=["all", "prepare", "train"], default="all",
                    help="all: prepare the data if needed, then train")
+    p.add_argument("--describe", action="store_true", help="print every config key with its default and exit")
+    p.add_argument("--traceback", action="store_true", help="on an error, show the full traceback")
     args = p.parse_args(argv)
+    if args.describe:
+        from retrace_jax.train_config import describe
+
+        print(describe())
+        return None
+    if not args.config:
+        p.error("--config is required")
     try:
         return run(args)
-    except (FileNotFoundError, ValueError) as err:  # ConfigError, CheckpointError, DataError, ConfigurationError
-        raise SystemExit(f"error: {err}") from None
+    except USER_ERRORS as err:
+        if args.traceback or os.environ.get("RETRACE_JAX_TRACEBACK"):
+            raise
+        raise SystemExit(f"error: {one_line(err)}") from None
+
+
+def one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if not isinstance(err, KeyError) else f"missing key {text}"
 
 
 def run(args):
+    from retrace_jax import trainer
+    from retrace_jax.distributed import initialize
+    from retrace_jax.train_eval import MetricsLog
+
     cfg = trainer.load_config(args.config, args.set)
-    os.makedirs(cfg["out"], exist_ok=True)
-    metrics = open(os.path.join(cfg["out"], "metrics.jsonl"), "a")
+    initialize(cfg.train.distributed)  # before anything touches a device
+    from retrace_jax.compile_cache import enable_compilation_cache
 
-    def log(record):
-        line = json.dumps(record)
-        print(line, flush=True)
-        metrics.write(line + "\n")
-        metrics.flush()
-
+    enable_compilation_cache()  # a rerun (e.g. a resume) loads its programs instead of compiling them
+    log = MetricsLog(cfg.out, cfg.train.tensorboard)
     try:
         if args.stage in ("all", "prepare"):
-            manifest = os.path.join(trainer.data_dir(cfg), "manifest.json")
+            manifest = os.path.join(cfg.data_dir, "manifest.json")
             if args.stage == "prepare" or not os.path.exists(manifest) or _unfinished(manifest):
                 trainer.prepare(cfg, log)
         if args.stage in ("all", "train"):
             return trainer.train(cfg, log)
     finally:
-        metrics.close()
+        log.close()
 
 
 def _unfinished(manifest_path: str) -> bool:
+    import json
+
     with open(manifest_path) as f:
         m = json.load(f)
     shards = -(-m["settings"]["num_prompts"] // m["settings"]["shard_size"])

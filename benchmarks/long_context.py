@@ -9,13 +9,14 @@
   2-layer drafter, block 8; τ near 1, so it shows the cost of a round). Milliseconds per generated token
   and the ratio to the smallest buffer: with attention that walks only the filled part of the cache the
   ratio stays near 1.
-- **filled**: milliseconds per generated token against the filled length (the prompt length) in one
-  32K-slot buffer: the difference of two generations of different lengths over their token difference,
-  so prefill cancels out.
+- **filled**: one plain step and one speculative round against the filled length (the prompt length)
+  in caches of 32K slots: the library's ``plain_step`` and ``speculative_round`` jitted alone, started
+  from the same state each time (medians of ``--steps`` calls).
 - **prefill**: prompts of 1K to 32K tokens, each in a fresh process: prefill time (a generation of one
   token), compile time and the process's peak resident memory.
 
-Times are medians of ``--repeats`` runs after compiling; compile times are those of the first call.
+Times are medians of ``--repeats`` runs after compiling (in the buffer section, every configuration is
+compiled first and the runs then go round-robin); compile times are those of the first call.
 """
 
 from __future__ import annotations
@@ -29,11 +30,18 @@ import subprocess
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
+from benchmarks.report import median_ms_from  # noqa: E402
+from retrace_jax.plain_loop import plain_init, plain_step  # noqa: E402
+from retrace_jax.sampling import SamplingParams  # noqa: E402
+from retrace_jax.speculative_loop import SpeculativeStepper  # noqa: E402
 from retrace_jax.tiny import TINY_QWEN3, tiny_target  # noqa: E402
 
 
@@ -71,15 +79,28 @@ def buffer_section(args, target, drafter):
     prompt = [[(7 * i) % (target.cfg.vocab_size - 2) + 1 for i in range(16)]]
     ref = rj.generate(target, prompt, 256).tokens[0]
     stop, count = stop_at(ref, args.tokens)
-    rows = []
+    runs = {}
     for slots in args.buffers:
         for name, kwargs in (("plain", {}), ("speculative", {"drafter": drafter})):
             max_new = slots - 16 - (8 if kwargs else 0)  # prompt bucket 16 (+ block 8): the buffer is `slots`
-            out, compile_s, run_s = timed(
-                lambda: rj.generate(target, prompt, max_new, stop_token_ids=[stop], **kwargs), args.repeats)
-            assert out.tokens[0] == ref[:count], "the tokens changed with the buffer size"
-            rows.append({"section": "buffer", "method": name, "buffer_slots": slots, "tokens": count,
-                         "ms_per_token": round(1e3 * run_s / count, 3), "compile_s": round(compile_s, 2)})
+            runs[name, slots] = lambda max_new=max_new, kwargs=kwargs: rj.generate(
+                target, prompt, max_new, stop_token_ids=[stop], **kwargs)
+    compiled, times = {}, {key: [] for key in runs}
+    for key, run in runs.items():  # compile every configuration first
+        start = time.perf_counter()
+        out = run()
+        compiled[key] = time.perf_counter() - start
+        assert out.tokens[0] == ref[:count], "the tokens changed with the buffer size"
+    for _ in range(args.repeats):  # then time them round-robin, so that load changes hit all alike
+        for key, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[key].append(time.perf_counter() - start)
+    rows = []
+    for (name, slots), t in times.items():
+        rows.append({"section": "buffer", "method": name, "buffer_slots": slots, "tokens": count,
+                     "ms_per_token": round(1e3 * float(np.median(t)) / count, 3),
+                     "compile_s": round(compiled[name, slots], 2)})
     for row in rows:
         base = next(r for r in rows if r["method"] == row["method"])
         row["vs_smallest_buffer"] = round(row["ms_per_token"] / base["ms_per_token"], 2)
@@ -87,23 +108,31 @@ def buffer_section(args, target, drafter):
 
 
 def filled_section(args, target, drafter):
+    """One plain step and one speculative round timed alone (the library's ``plain_step`` and
+    ``speculative_round``, jitted with the carry donated as in the loop) on caches of ``filled_buffer``
+    slots holding ``filled`` positions, each call started from a copy of the same state."""
+    tdef, tstate = nnx.split(target)
+    sampling, stops = SamplingParams.make(), jnp.full((8,), -1, jnp.int32)
+    step = jax.jit(lambda s, consts, c: plain_step(nnx.merge(tdef, s), consts, c), donate_argnums=2)
     rows = []
-    slots = args.filled_buffer
     for filled in args.filled:
-        rng = np.random.default_rng(filled)
-        prompt = [rng.integers(1, target.cfg.vocab_size - 2, filled).tolist()]
-        bucket = 1 << (filled - 1).bit_length()
-        for name, kwargs in (("plain", {}), ("speculative", {"drafter": drafter})):
-            max_new = slots - bucket - (8 if kwargs else 0)
-            ref = rj.generate(target, prompt, 80, **kwargs).tokens[0]
-            (stop1, n1), (stop2, n2) = stop_at(ref, 15), stop_at(ref, 60)
-            t = []
-            for stop in (stop1, stop2):
-                _, _, run_s = timed(lambda: rj.generate(target, prompt, max_new, stop_token_ids=[stop], **kwargs),
-                                    args.repeats)
-                t.append(run_s)
-            rows.append({"section": "filled", "method": name, "buffer_slots": slots, "filled": filled,
-                         "ms_per_token": round(1e3 * (t[1] - t[0]) / (n2 - n1), 3)})
+        tokens = jnp.asarray(np.random.default_rng(filled).integers(1, target.cfg.vocab_size - 2, (1, filled)),
+                             jnp.int32)
+        lens, live = jnp.full((1,), filled, jnp.int32), jnp.ones((1,), bool)
+        capacity = args.filled_buffer - filled - 8
+        consts, carry = jax.jit(lambda s: plain_init(nnx.merge(tdef, s), tokens, lens, live, 10**6, stops, sampling,
+                                                     capacity=capacity))(tstate)
+        stepper = SpeculativeStepper(target, drafter, capacity=capacity, block_size=8)
+        first = stepper.init(tokens, lens, live, 10**6, stops, sampling)
+
+        def one_round(state):
+            stepper.carry = state
+            return stepper.step().accepted_b
+
+        ms_step = median_ms_from(lambda c: step(tstate, consts, c), carry, args.steps)
+        ms_round = median_ms_from(one_round, first, args.steps)
+        rows.append({"section": "filled", "buffer_slots": first.target_cache.max_len, "filled": filled,
+                     "plain_step_ms": round(ms_step, 3), "speculative_round_ms": round(ms_round, 3)})
     return rows
 
 
@@ -149,6 +178,7 @@ def main():
     p.add_argument("--filled-buffer", type=int, default=32768)
     p.add_argument("--prompts", default="1024,4096,16384,32768")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20, help="timed calls per size in the filled section")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     p.add_argument("--prefill-one", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="write the rows as JSON")
@@ -163,7 +193,7 @@ def main():
         return
     rj.enable_compilation_cache(os.environ.get("RETRACE_JAX_CACHE_DIR", ""))  # off unless asked for
     print(f"random Qwen3 d={args.width}, {args.layers} layers, vocab {args.vocab}; batch 1, float32, "
-          f"{rj.generation.jax.devices()[0].platform}; medians of {args.repeats} runs", flush=True)
+          f"{jax.devices()[0].platform}; medians of {args.repeats} runs", flush=True)
     sections = args.sections.split(",")
     rows = []
     if "buffer" in sections or "filled" in sections:

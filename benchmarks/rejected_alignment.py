@@ -7,9 +7,10 @@ target finally commits at a drafted position the drafter's top-1, and how often 
 A round anchored at position ``start`` drafts block slots 1..K (slot k at position ``start + k``); with
 ``a`` proposals accepted, slot ``a + 1`` is the first rejected one (the target's correction is committed
 there) and slots ``a + 2 .. K`` are the **rejected suffix**, which ReTrace carries into the next round
-(docs/results.md, "What the rejected suffix holds"; the memory's slot j is the old slot a + 1 + j). A
-round that accepts all K proposals has no rejection and counts nothing. Only positions inside the final
-output count (a stop token or ``max_new_tokens`` may end the text before a suffix position is reached).
+(docs/retrace.md: the memory's slot j is the old slot a + 1 + j; numbers in docs/results.md, "What the
+rejected suffix holds"). A round that accepts all K proposals has no rejection and counts nothing. Only
+positions inside the final output count (a stop token or ``max_new_tokens`` may end the text before a
+suffix position is reached).
 
 Greedy decoding only. The drafter's top-1 at a rejected slot is the token it proposed there; at slot
 ``a + 1`` it differs from the target's token by definition, so only its top-5 says anything. The
@@ -40,8 +41,6 @@ from retrace_jax.sampling import SamplingParams  # noqa: E402
 from retrace_jax.speculative_loop import SpeculativeStepper  # noqa: E402
 from retrace_jax.target import resolve_layer_loop  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-IN_REPO_SPEC_BENCH = os.path.join(REPO, "data", "spec_bench_questions.jsonl")
 TOP = 5
 
 
@@ -163,8 +162,8 @@ def main(argv=None):
     p.add_argument("--model", default="smollm2-135m-instruct", help="asset name of the target (with --target unset)")
     p.add_argument("--drafter", action="append", default=[],
                    help="NAME=DIR (repeatable; default: C=the shipped drafter of --model)")
-    p.add_argument("--spec-bench", default=IN_REPO_SPEC_BENCH if os.path.isfile(IN_REPO_SPEC_BENCH)
-                   else DEFAULT_SPEC_BENCH)
+    p.add_argument("--spec-bench", default=DEFAULT_SPEC_BENCH,
+                   help="Spec-Bench questions (JSONL, optionally .gz; default: the vendored copy in benchmarks/data)")
     p.add_argument("--per-category", type=int, default=4, help="prompts per Spec-Bench category")
     p.add_argument("--max-prompt-len", type=int, default=1024)
     p.add_argument("--max-new-tokens", type=int, default=96)

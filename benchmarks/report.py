@@ -14,3 +14,24 @@ def report(result: dict, out: str | None) -> None:
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         with open(out, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def median_ms_from(fn, state, n: int) -> float:
+    """Median milliseconds of ``fn(copy of state)`` over ``n`` calls after a first (compiling) one.
+
+    The copy is made before the clock starts, so functions that donate their state (updating caches
+    in place, as the decode loops do) can run again and again from the same state."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    times = []
+    for i in range(n + 1):
+        copy = jax.block_until_ready(jax.tree.map(jnp.copy, state))
+        start = time.perf_counter()
+        jax.block_until_ready(fn(copy))
+        if i:
+            times.append(time.perf_counter() - start)
+    return 1e3 * float(np.median(times))

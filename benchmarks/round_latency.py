@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
 from benchmarks.device_check import PRESETS  # noqa: E402  (Qwen3-4B/8B shapes, published drafter)
-from benchmarks.report import report  # noqa: E402
+from benchmarks.report import median_ms_from, report  # noqa: E402
 from retrace_jax.plain_loop import plain_init, plain_step  # noqa: E402
 from retrace_jax.sampling import SamplingParams  # noqa: E402
 from retrace_jax.speculative_loop import SpeculativeStepper, draft_block  # noqa: E402
@@ -106,12 +106,12 @@ def main():
     # the library's own step and round functions, jitted one at a time
     plain_consts, plain_carry = jax.jit(lambda s: plain_init(nnx.merge(tdef, s), tokens, lens, live, 10**6, stops,
                                                              sampling, capacity=2 * k + 16))(tstate)
-    step = jax.jit(lambda s, consts, c: plain_step(nnx.merge(tdef, s), consts, c).buf.num)
+    step = jax.jit(lambda s, consts, c: plain_step(nnx.merge(tdef, s), consts, c), donate_argnums=2)
     stepper = SpeculativeStepper(target, drafter, capacity=2 * k + 16, block_size=k)
     first = stepper.init(tokens, lens, live, 10**6, stops, sampling)
 
-    def one_round():
-        stepper.carry = first
+    def one_round(state):
+        stepper.carry = state
         return stepper.step().accepted_b
 
     @jax.jit
@@ -124,10 +124,10 @@ def main():
         return jnp.argmax(m.logits(draft_block(m, d, anchor, cache, k)[:, 1:]), -1)
 
     ms = {
-        "plain_step_ms": timed(lambda: step(tstate, plain_consts, plain_carry), n=args.iters),
+        "plain_step_ms": median_ms_from(lambda c: step(tstate, plain_consts, c), plain_carry, args.iters),
         "draft_ms": timed(lambda: draft(tstate, dstate, first.draft_cache, first.anchor_b), n=args.iters),
         "verify_ms": timed(lambda: verify(tstate, first.target_cache, jnp.zeros((1, k), jnp.int32)), n=args.iters),
-        "round_ms": timed(one_round, n=args.iters),
+        "round_ms": median_ms_from(one_round, first, args.iters),
     }
     round_ms = ms["round_ms"]
     # the same inside rj.generate's loop, where acceptance, commits and the ReTrace memory also run

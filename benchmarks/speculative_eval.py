@@ -50,8 +50,8 @@ from retrace_jax.data import chat_encoder, load_tokenizer  # noqa: E402
 from retrace_jax.generation import DRAFT_RULES  # noqa: E402
 
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
-DEFAULT_SPEC_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data",
-                                  "spec_bench_questions.jsonl")
+# the Spec-Bench questions, vendored (benchmarks/data/SOURCES.md)
+DEFAULT_SPEC_BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "spec_bench_questions.jsonl.gz")
 DEFAULT_HUMANEVAL = os.path.join(os.path.expanduser("~"), ".cache", "retrace_jax", "data", "humaneval.jsonl")
 
 
@@ -62,17 +62,21 @@ def read_datasets(spec_bench: str, humaneval: str | None) -> dict[str, list[str]
         if not os.path.isfile(path):
             raise SystemExit(f"prompt file not found: {path}" + (" (python scripts/fetch_assets.py humaneval)"
                                                                  if path == humaneval else ""))
-    with open(spec_bench) as f:
+    with _open_text(spec_bench) as f:
         for line in f:
             r = json.loads(line)
             sets["mt_bench" if r["category"] in MT_BENCH else r["category"]].append(r["turns"][0])
     if humaneval is None:
         return dict(sets)
-    opener = gzip.open if humaneval.endswith(".gz") else open
-    with opener(humaneval, "rt") as f:
+    with _open_text(humaneval) as f:
         for line in f:
             sets["humaneval"].append(json.loads(line)["prompt"])
     return dict(sets)
+
+
+def _open_text(path: str):
+    """A text file, gzip-compressed when its name ends in ``.gz``."""
+    return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
 
 
 def pick(ids: list[list[int]], n: int, max_len: int) -> tuple[list[list[int]], int]:
@@ -105,7 +109,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True)
     p.add_argument("--drafter", action="append", default=[], help="NAME=DIR (repeatable)")
-    p.add_argument("--spec-bench", default=DEFAULT_SPEC_BENCH)
+    p.add_argument("--spec-bench", default=DEFAULT_SPEC_BENCH, help="Spec-Bench questions (JSONL, optionally .gz; "
+                   "default: the vendored copy in benchmarks/data)")
     p.add_argument("--humaneval", default=DEFAULT_HUMANEVAL)
     p.add_argument("--per-dataset", type=int, default=12, help="prompts per dataset for τ")
     p.add_argument("--speed-prompts", type=int, default=1, help="prompts per dataset timed at batch 1")

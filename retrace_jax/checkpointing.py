@@ -1,8 +1,15 @@
 """Training checkpoints with Orbax: drafter parameters, optimizer state and the step (which fixes the
-data position and the random stream), saved asynchronously, the last ``keep`` retained."""
+data position and the random stream), saved asynchronously, the last ``keep`` retained.
+
+Each checkpoint also stores the run's settings (``meta``) as plain JSON. :meth:`Checkpoints.read_meta`
+reads them straight from the file, so a resume with other settings is refused before Orbax restores
+anything. With several processes every process calls ``save`` and ``restore`` (Orbax coordinates them;
+each writes and reads its own shards), and the directory must be one that all processes see.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 
 import jax
@@ -11,13 +18,15 @@ import orbax.checkpoint as ocp
 
 class Checkpoints:
     def __init__(self, directory: str, keep: int = 3, async_save: bool = True):
+        self.directory = os.path.abspath(directory)
         self.manager = ocp.CheckpointManager(
-            os.path.abspath(directory),
+            self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                                 create=True),
+                                                 create=True, cleanup_tmp_directories=True),
         )
 
     def latest_step(self) -> int | None:
+        """The last finished checkpoint (one whose write was interrupted does not count)."""
         return self.manager.latest_step()
 
     def save(self, step: int, drafter_state, opt_state, meta: dict) -> None:
@@ -25,6 +34,15 @@ class Checkpoints:
         tree = {"params": drafter_state, "opt_state": opt_state}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
                                                         meta=ocp.args.JsonSave(dict(meta, step=step))), force=True)
+
+    def read_meta(self, step: int) -> dict:
+        """The settings saved with checkpoint ``step``, read without Orbax (nothing is restored)."""
+        path = os.path.join(self.directory, str(step), "meta", "metadata")
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except (OSError, json.JSONDecodeError):
+            return {}  # a checkpoint without readable settings: the restore itself checks the tree
 
     def restore(self, step: int, drafter_state, opt_state):
         """Restores onto the structure, dtypes and shardings of the given (freshly built) states."""
@@ -37,3 +55,10 @@ class Checkpoints:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def settings_differences(saved: dict, now: dict) -> dict:
+    """``{key: (saved, now)}`` for the settings present in both that differ (JSON-normalised, so a
+    tuple equals the list it was saved as)."""
+    norm = lambda v: json.loads(json.dumps(v))  # noqa: E731
+    return {k: (saved[k], v) for k, v in now.items() if k in saved and norm(saved[k]) != norm(v)}

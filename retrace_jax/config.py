@@ -73,8 +73,8 @@ class ModelConfig:
             intermediate_size=_required(hf, "intermediate_size"),
             num_layers=_required(hf, "num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hidden // heads,
+            num_kv_heads=_positive_int(hf, "num_key_value_heads") or heads,
+            head_dim=_positive_int(hf, "head_dim") or hidden // heads,
             rope_theta=float(rope_theta(hf)),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
@@ -87,14 +87,22 @@ class ModelConfig:
 
 
 def read_config_json(directory: str) -> dict[str, Any]:
-    """Reads ``directory/config.json`` with a clear error when it is missing."""
+    """Reads ``directory/config.json`` with a clear error when it is missing or not a JSON object."""
     path = os.path.join(directory, "config.json")
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"model directory not found: {directory}")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json in {directory}")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path} is not UTF-8 text: {err}") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path} must hold a JSON object, not {type(hf).__name__}")
+    return hf
 
 
 def rope_theta(hf: dict[str, Any]) -> float:
@@ -115,7 +123,21 @@ def _check_rope(hf: dict[str, Any]) -> None:
             raise ConfigError(f"unsupported RoPE scaling {kind!r} in {key}; only default RoPE is implemented")
 
 
+def short_repr(value, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 4] + " ..."
+
+
 def _required(hf: dict[str, Any], key: str):
     if key not in hf:
         raise ConfigError(f"config.json lacks {key!r}")
-    return hf[key]
+    return _positive_int(hf, key)
+
+
+def _positive_int(hf: dict[str, Any], key: str):
+    """``hf[key]`` when it is a positive integer (None when absent)."""
+    value = hf.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(f"{key} must be a positive integer, got {short_repr(value)}")
+    return value

@@ -21,6 +21,8 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from retrace_jax.config import short_repr
+
 MANIFEST = "manifest.json"
 
 
@@ -30,31 +32,60 @@ class DataError(ValueError):
 
 # ---------------------------------------------------------------------------------------------- prompts
 
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def _message_list(record: dict, key: str, where: str) -> list:
+    value = record[key]
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: '{key}' must be a non-empty list of messages, got {short_repr(value)}")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise DataError(f"{where}: {key}[{i}] must be an object, got {short_repr(m)}")
+    return value
+
+
 def _first_user_turn(record: dict, where: str) -> list[dict]:
-    """The conversation up to and including its first user message, as chat messages."""
-    if "messages" in record:  # OpenAI style
-        msgs = [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
+    """The conversation up to and including its first user message, as chat messages. A record of the
+    wrong shape is a ``DataError`` naming ``where`` (file:line) and the field; messages after the first
+    user turn are not looked at."""
+    if "messages" in record:  # OpenAI style: (message, its role key, its content key, its name)
+        msgs = [(m, "role", "content", f"messages[{i}]") for i, m in enumerate(_message_list(record, "messages", where))]
     elif "conversations" in record:  # ShareGPT
-        roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-        msgs = [{"role": roles.get(m.get("from"), m.get("from")), "content": m.get("value", "")}
-                for m in record["conversations"]]
+        msgs = [(m, "from", "value", f"conversations[{i}]")
+                for i, m in enumerate(_message_list(record, "conversations", where))]
     elif "prompt" in record:
-        msgs = [{"role": "user", "content": record["prompt"]}]
+        msgs = [({"role": "user", "prompt": record["prompt"]}, "role", "prompt", "record")]
     elif "turns" in record:  # Spec-Bench / MT-Bench questions
-        msgs = [{"role": "user", "content": record["turns"][0]}]
+        turns = record["turns"]
+        if not isinstance(turns, list) or not turns:
+            raise DataError(f"{where}: 'turns' must be a non-empty list of strings, got {short_repr(turns)}")
+        msgs = [({"role": "user", "turns[0]": turns[0]}, "role", "turns[0]", "record")]
     else:
         raise DataError(f"{where}: a record needs 'messages', 'conversations', 'prompt' or 'turns'")
-    for i, m in enumerate(msgs):
-        if m["role"] == "user":
-            if not isinstance(m["content"], str) or not m["content"].strip():
-                raise DataError(f"{where}: the first user message is empty")
-            return msgs[: i + 1]
+    chat = []
+    for m, role_key, content_key, name in msgs:
+        for key in (role_key, content_key):
+            if key not in m:
+                raise DataError(f"{where}: {name} has no '{key}'")
+        if not isinstance(m[role_key], str):
+            raise DataError(f"{where}: {name}.{role_key} must be a string, got {short_repr(m[role_key])}")
+        role, content = SHAREGPT_ROLES.get(m[role_key], m[role_key]), m[content_key]
+        if not isinstance(content, str):
+            raise DataError(f"{where}: {name}.{content_key} must be a string, got {short_repr(content)}")
+        chat.append({"role": role, "content": content})
+        if role == "user":
+            if not content.strip():
+                raise DataError(f"{where}: the first user message ({name}.{content_key}) is empty")
+            return chat
     raise DataError(f"{where}: no user message")
 
 
 def read_prompts(path: str, limit: int | None = None) -> list[list[dict]]:
     """Chat prompts (message lists) from a JSONL file of ShareGPT, OpenAI-style or ``{"prompt": ...}``
-    records. Records without a usable user turn are errors, naming the line."""
+    records. A record of the wrong shape (a message without content, empty ``turns``, ``conversations``
+    that is not a list, no user turn) is a ``DataError`` naming the file, the line and the field; no
+    record is skipped silently."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"prompt file not found: {path}")
     prompts = []
@@ -118,29 +149,81 @@ class PrepareSettings:
     source: str = ""
 
 
+def _shard_path(out_dir: str, i: int) -> str:
+    return os.path.join(out_dir, f"shard_{i:05d}.npz")
+
+
+def _write_manifest(out_dir: str, manifest: dict) -> None:
+    path = os.path.join(out_dir, MANIFEST)
+    with open(path + ".tmp", "w") as f:
+        json.dump(manifest, f)
+    os.replace(path + ".tmp", path)
+
+
+def check_manifest(out_dir: str, settings: PrepareSettings) -> dict | None:
+    """The manifest of ``out_dir`` (None when there is none yet), refused when made with other settings."""
+    manifest_path = os.path.join(out_dir, MANIFEST)
+    if not os.path.exists(manifest_path):
+        return None
+    with open(manifest_path) as f:
+        existing = json.load(f)
+    if existing["settings"] != dataclasses.asdict(settings):
+        raise DataError(f"{out_dir} holds data prepared with other settings {existing['settings']}; "
+                        f"use a new output directory (nothing there was changed)")
+    return existing
+
+
+def begin_manifest(out_dir: str, settings: PrepareSettings, create: bool = True) -> dict:
+    """The manifest of ``out_dir`` after checking that it was made with ``settings`` (written first when
+    absent and ``create``). With several processes, process 0 calls this before the others start."""
+    os.makedirs(out_dir, exist_ok=True)
+    existing = check_manifest(out_dir, settings)
+    if existing is not None:
+        return existing
+    if not create:
+        raise DataError(f"{out_dir}: no {MANIFEST}; process 0 writes it before the others prepare")
+    manifest = {"settings": dataclasses.asdict(settings), "done": []}
+    _write_manifest(out_dir, manifest)
+    return manifest
+
+
+def finished_shards(out_dir: str, manifest: dict, num_shards: int) -> list[int]:
+    """Shards recorded in the manifest or present on disk (a shard file appears in one atomic rename,
+    so one that exists is complete; with several processes only process 0 writes the manifest)."""
+    return sorted(set(manifest["done"]) | {i for i in range(num_shards) if os.path.exists(_shard_path(out_dir, i))})
+
+
+def finish_manifest(out_dir: str, num_shards: int) -> dict:
+    """Process 0, after every process has finished its shards: records all finished shards."""
+    with open(os.path.join(out_dir, MANIFEST)) as f:
+        manifest = json.load(f)
+    manifest["done"] = finished_shards(out_dir, manifest, num_shards)
+    _write_manifest(out_dir, manifest)
+    return manifest
+
+
 def prepare_shards(out_dir: str, prompts_ids: Sequence[Sequence[int]], settings: PrepareSettings,
-                   generate_fn: Callable[[list[list[int]], int], list[list[int]]], progress: bool = True) -> dict:
+                   generate_fn: Callable[[list[list[int]], int], list[list[int]]], progress: bool = True,
+                   process_index: int = 0, process_count: int = 1) -> dict:
     """Regenerates responses for ``prompts_ids`` shard by shard into ``out_dir`` (resumable). Every
     prompt must fit in ``settings.max_prompt_len`` tokens (checked before anything is written).
 
     ``generate_fn(prompts, first_index)`` returns the responses; ``first_index`` (the global index of
-    the first prompt) lets sampled regeneration use distinct random streams in every shard."""
+    the first prompt) lets sampled regeneration use distinct random streams in every shard.
+
+    With ``process_count > 1`` this process prepares only shards ``i`` with ``i % process_count ==
+    process_index`` that are not finished yet; the manifest must exist (:func:`begin_manifest` by process
+    0), and once all processes are done process 0 calls :func:`finish_manifest`. The shards do not
+    depend on how many processes made them."""
     from tqdm import tqdm
 
     check_prompt_lengths(prompts_ids, settings.max_prompt_len)
-    os.makedirs(out_dir, exist_ok=True)
-    manifest_path = os.path.join(out_dir, MANIFEST)
-    manifest = {"settings": dataclasses.asdict(settings), "done": []}
-    if os.path.exists(manifest_path):
-        with open(manifest_path) as f:
-            existing = json.load(f)
-        if existing["settings"] != manifest["settings"]:
-            raise DataError(f"{out_dir} holds data prepared with other settings {existing['settings']}; "
-                            f"use a new output directory (nothing there was changed)")
-        manifest = existing
+    manifest = begin_manifest(out_dir, settings, create=process_count == 1)
     num_shards = -(-len(prompts_ids) // settings.shard_size)
-    todo = [i for i in range(num_shards) if i not in set(manifest["done"])]
-    bar = tqdm(total=num_shards, initial=num_shards - len(todo), desc="regenerating", unit="shard",
+    done = set(finished_shards(out_dir, manifest, num_shards))
+    mine = [i for i in range(num_shards) if i % process_count == process_index]
+    todo = [i for i in mine if i not in done]
+    bar = tqdm(total=len(mine), initial=len(mine) - len(todo), desc="regenerating", unit="shard",
                disable=not progress)
     tokens_done, start = 0, time.perf_counter()
     for i in todo:
@@ -150,17 +233,19 @@ def prepare_shards(out_dir: str, prompts_ids: Sequence[Sequence[int]], settings:
         offsets = np.cumsum([0] + [len(p) + len(r) for p, r in seqs]).astype(np.int64)
         tokens = np.concatenate([np.asarray(p + r, np.int32) for p, r in seqs])
         mask = np.concatenate([np.r_[np.zeros(len(p), np.uint8), np.ones(len(r), np.uint8)] for p, r in seqs])
-        path = os.path.join(out_dir, f"shard_{i:05d}.npz")
-        np.savez(path + ".tmp.npz", tokens=tokens, loss_mask=mask, offsets=offsets)
-        os.replace(path + ".tmp.npz", path)
-        manifest["done"] = sorted(set(manifest["done"]) | {i})
-        with open(manifest_path + ".tmp", "w") as f:
-            json.dump(manifest, f)
-        os.replace(manifest_path + ".tmp", manifest_path)
+        path = _shard_path(out_dir, i)
+        np.savez(path + f".tmp{process_index}.npz", tokens=tokens, loss_mask=mask, offsets=offsets)
+        os.replace(path + f".tmp{process_index}.npz", path)
+        if process_count == 1:
+            manifest["done"] = sorted(set(manifest["done"]) | {i})
+            _write_manifest(out_dir, manifest)
         tokens_done += sum(len(r) for _, r in seqs)
         bar.update(1)
         bar.set_postfix(tokens_per_s=f"{tokens_done / (time.perf_counter() - start):.0f}")
     bar.close()
+    if process_count == 1:
+        manifest["done"] = finished_shards(out_dir, manifest, num_shards)
+        _write_manifest(out_dir, manifest)
     return manifest
 
 

@@ -7,6 +7,8 @@ block. Slot ``k`` is labelled ``x[anchor_i + k]``; loss weights ``exp(-(k-1)/gam
 
 from __future__ import annotations
 
+import contextvars
+import math
 from typing import NamedTuple
 
 import jax
@@ -78,11 +80,28 @@ def block_visibility(anchors_ba, seq_len: int, block_size: int, causal: bool):
     return jnp.concatenate([ctx, jnp.broadcast_to(own, (b, t, t))], axis=-1)
 
 
+TRAIN_MESH: contextvars.ContextVar = contextvars.ContextVar("retrace_jax_train_mesh", default=None)
+
+
+def batch_sharded(x):
+    """Keeps an activation's leading batch dimension on the mesh's batch axes while a train step is traced
+    with ``TRAIN_MESH`` set (otherwise unchanged). Without it, XLA may gather activations to match
+    weights sharded over ``fsdp`` instead of gathering the weights."""
+    mesh = TRAIN_MESH.get()
+    if mesh is None:
+        return x
+    axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
+    if not axes or x.shape[0] % math.prod(mesh.shape[a] for a in axes):
+        return x
+    spec = jax.sharding.PartitionSpec(axes, *([None] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
+
+
 def target_features(target: TargetModel, tokens_bs, layer_ids):
     """The frozen target's features of every position (no gradient)."""
     b, s = tokens_bs.shape
     out = target(tokens_bs, target.init_cache(b, s), feature_layers=tuple(layer_ids))
-    return jax.lax.stop_gradient(out.features)
+    return batch_sharded(jax.lax.stop_gradient(out.features))
 
 
 def sequence_context(drafter: DFlashDrafter, features_bsf):
@@ -96,11 +115,11 @@ def draft_blocks(drafter: DFlashDrafter, target: TargetModel, ctx_kv, blocks: Bl
     """Drafter final-norm hidden states of every block slot ``[B, A, K, d]`` (a ReTrace ``memory``
     ``[B, A*K, ...]`` is fused into the block embeddings first)."""
     b, a, k = blocks.tokens_bak.shape
-    emb = target.embed(blocks.tokens_bak.reshape(b, a * k)).astype(drafter.dtype)
+    emb = batch_sharded(target.embed(blocks.tokens_bak.reshape(b, a * k)).astype(drafter.dtype))
     if memory is not None:
-        emb = drafter.retrace(emb, memory, beta)
+        emb = batch_sharded(drafter.retrace(emb, memory, beta))
     hidden = drafter.forward(emb, blocks.positions_bak.reshape(b, a * k), ctx_kv, blocks.mask_bt_st, remat=remat)
-    return hidden.reshape(b, a, k, -1)
+    return batch_sharded(hidden).reshape(b, a, k, -1)
 
 
 class LossMetrics(NamedTuple):
@@ -134,4 +153,4 @@ def dflash_loss(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss_mas
     else:
         features = jax.lax.stop_gradient(features_bsf)
     hidden = draft_blocks(drafter, target, sequence_context(drafter, features), blocks, remat=remat)
-    return block_loss(target.logits(hidden), blocks)
+    return block_loss(batch_sharded(target.logits(hidden)), blocks)

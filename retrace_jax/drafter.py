@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import warnings
+import numbers
 from typing import Any
 
 import jax.numpy as jnp
@@ -222,6 +223,12 @@ def init_drafter(target_cfg, *, mask_token_id: int, num_layers: int = 1, block_s
     """A randomly initialised drafter shaped for ``target_cfg`` (a :class:`~retrace_jax.ModelConfig`):
     the target's width, heads and RoPE; features from ``target_layer_ids`` (official default if None).
     With ``retrace`` it is a ReTrace drafter whose fusion starts at zero (exactly DFlash)."""
+    for name, value, low in (("num_layers", num_layers, 1), ("block_size", block_size, 2)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+            raise ValueError(f"init_drafter: {name} must be an integer >= {low}, got {value!r}")
+    if not isinstance(mask_token_id, numbers.Integral) or not 0 <= mask_token_id < target_cfg.vocab_size:
+        raise ValueError(f"init_drafter: mask_token_id must be a token id in [0, {target_cfg.vocab_size}), "
+                         f"got {mask_token_id!r}")
     cfg = DrafterConfig(
         hidden_size=target_cfg.hidden_size,
         intermediate_size=intermediate_size or target_cfg.intermediate_size,

@@ -8,8 +8,10 @@ from typing import Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from retrace_jax.attention import IMPLEMENTATIONS
+from retrace_jax.config import short_repr
 from retrace_jax.drafter import DFlashDrafter
 from retrace_jax.hf_io import check_drafter_matches, resolve_dtype, shard_model
 from retrace_jax.plain_loop import plain_generate
@@ -92,6 +94,9 @@ def generate(
     where a scan copies each layer's weights at every step; compile time grows with depth); "auto" is
     "unrolled" on CPU and "scan" on accelerators.
     """
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh (e.g. rj.make_mesh({mesh!r}) for a string) or None, "
+                        f"got {type(mesh).__name__} {mesh!r}")
     mode = _sampling_mode(temperature, top_k, top_p, draft_rule)
     if attention not in IMPLEMENTATIONS:
         raise ValueError(f"attention must be one of {IMPLEMENTATIONS}, got {attention!r}")
@@ -101,6 +106,7 @@ def generate(
         raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
     sampling = SamplingParams.make(temperature, top_k, top_p, seed)
     batch = _check_prompts(target, prompts, max_new_tokens)
+    stops = _pad_stops(stop_token_ids, target.cfg.vocab_size)
     capacity = bucket(max_new_tokens)
     rows = bucket(batch, 1)
     if mesh is not None:
@@ -111,14 +117,13 @@ def generate(
     tokens, lens, live = _pad_prompts(prompts, rows, bucket(max(map(len, prompts))))
     if mesh is not None:
         tokens, lens, live = (jax.device_put(x, batch_sharding(mesh, x.ndim)) for x in (tokens, lens, live))
-    stops = _pad_stops(stop_token_ids, target.cfg.vocab_size)
     target_def, target_state = nnx.split(target)
     max_new = np.int32(max_new_tokens)
     if drafter is None:
         buf = plain_generate(target_def, target_state, tokens, lens, live, max_new, stops, sampling,
                              capacity=capacity, mode=mode, mesh=mesh, cache_dtype=cache_dtype, attention=attention,
                              layer_loop=layer_loop)
-        out_tokens, num = jax.device_get((buf.tokens, buf.num))
+        out_tokens, num = _fetch((buf.tokens, buf.num))
         new = [out_tokens[b, : num[b]].tolist() for b in range(batch)]
         return GenerateOutput(tokens=new, acceptance_lengths=[[1] * len(t) for t in new])
 
@@ -132,11 +137,21 @@ def generate(
         capacity=capacity, block_size=block_size, use_retrace=bool(use_retrace), mode=mode, mesh=mesh,
         cache_dtype=cache_dtype, attention=attention, layer_loop=layer_loop,
     )
-    out_tokens, num, accept, rounds = jax.device_get((buf.tokens, buf.num, accept, rounds))
+    out_tokens, num, accept, rounds = _fetch((buf.tokens, buf.num, accept, rounds))
     return GenerateOutput(
         tokens=[out_tokens[b, : num[b]].tolist() for b in range(batch)],
         acceptance_lengths=[accept[b, : rounds[b]].tolist() for b in range(batch)],
     )
+
+
+def _fetch(tree):
+    """Host copies of the outputs. On a mesh that spans processes every process gathers the whole
+    batch (all of them run this same call, as multi-process JAX requires)."""
+    if all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(tree)):
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
 
 
 def _sampling_mode(temperature, top_k, top_p, draft_rule) -> SamplingMode:
@@ -154,8 +169,11 @@ def _sampling_mode(temperature, top_k, top_p, draft_rule) -> SamplingMode:
 
 
 def _check_prompts(target: TargetModel, prompts, max_new_tokens: int) -> int:
-    if isinstance(prompts, (str, bytes)) or not len(prompts):
-        raise ValueError("prompts must be a non-empty list of token-id lists")
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or not len(prompts):
+        raise ValueError(f"prompts must be a non-empty list of token-id lists, got {short_repr(prompts)}")
+    if any(isinstance(p, (int, np.integer)) for p in prompts):
+        raise TypeError(f"prompts must be a list of token-id lists, one per prompt, got a flat list of ints "
+                        f"{short_repr(prompts)}; for a single prompt pass [ids]")
     if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     cfg = target.cfg
@@ -188,7 +206,13 @@ def _pad_prompts(prompts, batch: int, length: int):
 
 
 def _pad_stops(stop_token_ids, vocab_size: int):
-    stops = [int(s) for s in stop_token_ids]
+    if isinstance(stop_token_ids, (int, np.integer, str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
+        raise TypeError(f"stop_token_ids must be a list of token ids, got {type(stop_token_ids).__name__} "
+                        f"{stop_token_ids!r}" + (f"; write [{stop_token_ids}]" if isinstance(stop_token_ids, int) else ""))
+    stops = list(stop_token_ids)
+    if any(not isinstance(s, (int, np.integer)) for s in stops):
+        raise TypeError(f"stop_token_ids must hold integer token ids, got {short_repr(stops)}")
+    stops = [int(s) for s in stops]
     if any(not 0 <= s < vocab_size for s in stops):
         raise ValueError(f"stop_token_ids {stops} must lie in [0, {vocab_size})")
     padded = np.full((bucket(len(stops), STOP_BUCKET),), -1, np.int32)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import tempfile
 from typing import Iterable
 
 import jax
@@ -15,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from retrace_jax.config import ConfigError, ModelConfig, read_config_json
@@ -127,36 +129,85 @@ def all_drafter_specs(cfg: DrafterConfig) -> list[WeightSpec]:
 
 
 class TensorReader:
-    """Reads tensors by name from ``model.safetensors`` or from shards listed in the index file."""
+    """Reads tensors by name from ``model.safetensors`` or from shards listed in the index file.
+
+    Every file is opened once here, so a truncated or corrupt one is reported by name before any weight
+    is read; a directory holding both layouts is refused (one of them would silently win)."""
 
     def __init__(self, directory: str):
         index_path = os.path.join(directory, INDEX_FILE)
         single_path = os.path.join(directory, SINGLE_FILE)
+        if os.path.isfile(index_path) and os.path.isfile(single_path):
+            raise CheckpointError(f"{directory} holds both {SINGLE_FILE} and {INDEX_FILE}; one of them is stale "
+                                  f"(remove it)")
         if os.path.isfile(index_path):
-            with open(index_path) as f:
-                weight_map = json.load(f)["weight_map"]
+            weight_map = _read_weight_map(index_path)
+            for file in sorted(set(weight_map.values())):
+                path = os.path.join(directory, file)
+                if not os.path.isfile(path):
+                    raise FileNotFoundError(f"{INDEX_FILE} lists {file}, which is missing from {directory}")
+                stored = set(_tensor_names(path))
+                absent = sorted(n for n, f in weight_map.items() if f == file and n not in stored)
+                if absent:
+                    raise CheckpointError(f"{path} lacks tensors that {INDEX_FILE} places there: {_short(absent)}")
         elif os.path.isfile(single_path):
-            with safe_open(single_path, framework="numpy") as f:
-                weight_map = {name: SINGLE_FILE for name in f.keys()}
+            weight_map = {name: SINGLE_FILE for name in _tensor_names(single_path)}
         else:
             raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {directory}")
-        for file in sorted(set(weight_map.values())):
-            if not os.path.isfile(os.path.join(directory, file)):
-                raise FileNotFoundError(f"{INDEX_FILE} lists {file}, which is missing from {directory}")
         self.directory = directory
         self.weight_map = weight_map
 
     def names(self) -> set[str]:
         return set(self.weight_map)
 
+    def file(self, name: str) -> str:
+        return os.path.join(self.directory, self.weight_map[name])
+
     def get(self, name: str, index: tuple | None = None) -> np.ndarray:
-        """The tensor, or only ``tensor[index]`` (a tuple of slices) read from disk."""
-        with safe_open(os.path.join(self.directory, self.weight_map[name]), framework="numpy") as f:
-            return f.get_tensor(name) if index is None else f.get_slice(name)[index]
+        """The tensor, or only ``tensor[index]`` (a tuple of slices) read from disk; non-finite values
+        (NaN, inf) are an error naming the tensor."""
+        try:
+            with safe_open(self.file(name), framework="numpy") as f:
+                array = f.get_tensor(name) if index is None else f.get_slice(name)[index]
+        except SafetensorError as err:
+            raise CheckpointError(f"cannot read tensor {name} from {self.file(name)}: {err}") from None
+        bad = int(array.size - np.count_nonzero(np.isfinite(array.astype(np.float32, copy=False))))
+        if bad:
+            where = "" if index is None else f" (in the slice {index})"
+            raise CheckpointError(f"tensor {name} in {self.file(name)} has {bad} non-finite values (NaN or inf)"
+                                  f"{where}")
+        return array
 
     def shape(self, name: str) -> tuple[int, ...]:
-        with safe_open(os.path.join(self.directory, self.weight_map[name]), framework="numpy") as f:
+        with safe_open(self.file(name), framework="numpy") as f:
             return tuple(f.get_slice(name).get_shape())
+
+
+def _tensor_names(path: str) -> list[str]:
+    """The tensor names in a safetensors file's header; a ``CheckpointError`` naming a truncated or
+    corrupt file."""
+    try:
+        with safe_open(path, framework="numpy") as f:
+            return list(f.keys())
+    except SafetensorError as err:
+        raise CheckpointError(f"{path} is not a readable safetensors file (truncated or corrupt?): {err}") from None
+
+
+def _read_weight_map(index_path: str) -> dict[str, str]:
+    """``weight_map`` of a ``model.safetensors.index.json``, checked."""
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{index_path} is not valid JSON: {err}") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index_path} has no 'weight_map' object (tensor name -> file)")
+    bad = [n for n, f in weight_map.items() if not isinstance(f, str) or os.path.basename(f) != f]
+    if bad:
+        raise CheckpointError(f"{index_path}: weight_map entries must be file names in the same directory: "
+                              f"{_short(sorted(bad))}")
+    return weight_map
 
 
 def strip_prefix(names: Iterable[str], prefix: str) -> dict[str, str]:
@@ -256,12 +307,22 @@ def abstract_module(factory):
     return nnx.eval_shape(factory)
 
 
+def _from_config_json(kind, path: str):
+    """``kind.from_hf`` of ``path/config.json``; its errors name the file."""
+    hf = read_config_json(path)
+    try:
+        return kind.from_hf(hf)
+    except (KeyError, TypeError, ValueError) as err:
+        message = err.args[0] if isinstance(err, ConfigError) and err.args else f"{type(err).__name__}: {err}"
+        raise ConfigError(f"{os.path.join(path, 'config.json')}: {message}") from None
+
+
 def load_target(path: str, dtype=None, *, mesh: Mesh | None = None) -> TargetModel:
     """Loads a Qwen3 / Qwen2 / Llama checkpoint from a Hugging Face directory (sharded over ``mesh``
     by the logical-axis rules when one is given). ``dtype``: "float32", "bfloat16" or None (bfloat16 on
     GPU and TPU, float32 on CPU)."""
     dtype = resolve_dtype(dtype)
-    cfg = ModelConfig.from_hf(read_config_json(path))
+    cfg = _from_config_json(ModelConfig, path)
     check_divisible("target", cfg.num_heads, cfg.num_kv_heads, mesh)
     reader = TensorReader(path)
     module = abstract_module(lambda: TargetModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
@@ -286,6 +347,8 @@ def check_drafter_matches(cfg: DrafterConfig, target_cfg: ModelConfig) -> None:
         problems.append(f"target_layer_ids {bad} outside the target's layers 0..{target_cfg.num_layers - 1}")
     if cfg.block_size < 2:
         problems.append(f"block_size {cfg.block_size} < 2")
+    if cfg.num_layers < 1:
+        problems.append(f"num_hidden_layers {cfg.num_layers} < 1")
     if problems:
         raise ConfigError("drafter does not match the target: " + "; ".join(problems))
 
@@ -300,7 +363,7 @@ def load_drafter(path: str, target: TargetModel, dtype=None, *, retrace: bool | 
     DFlash part of a ReTrace checkpoint. ``dtype`` defaults to the target's.
     """
     dtype = resolve_dtype(target.dtype if dtype is None else dtype)
-    stored = DrafterConfig.from_hf(read_config_json(path))
+    stored = _from_config_json(DrafterConfig, path)
     cfg = stored
     if isinstance(retrace, ReTraceConfig) and stored.retrace not in (None, retrace):
         raise ConfigError(f"{path} holds a ReTrace drafter with {stored.retrace}, not the requested {retrace}")
@@ -344,17 +407,74 @@ def shard_model(module, mesh: Mesh):
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+# Weight files of any layout: a saved checkpoint keeps none of the old ones, so none can shadow the new weights.
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")
+
+
 def save_drafter(drafter: DFlashDrafter, path: str, dtype=None) -> None:
     """Writes ``config.json`` and ``model.safetensors`` in the official DFlash layout; ``dtype``
-    ("float32" or "bfloat16") stores the weights in that type (default: the drafter's own)."""
+    ("float32" or "bfloat16") stores the weights in that type (default: the drafter's own).
+
+    The checkpoint is written to a temporary directory beside ``path`` and renamed into place, so a
+    failure (or a killed process) leaves an existing checkpoint at ``path`` as it was. Other files there
+    (a tokenizer, a README) are kept; old weight files of any layout (an index and its shards,
+    ``pytorch_model.bin``) are not, so they cannot shadow the new weights. Replacing an existing directory
+    takes two renames (old out, new in); a process killed between them leaves the old checkpoint as
+    ``.NAME.old-*`` beside ``path``."""
     dtype = resolve_dtype(dtype if dtype is not None else drafter.dtype)
-    os.makedirs(path, exist_ok=True)
-    hf = drafter.cfg.to_hf()
-    hf["torch_dtype"] = dtype.name
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
-    tensors = {k: v.astype(dtype) for k, v in export_tensors(drafter, all_drafter_specs(drafter.cfg)).items()}
-    save_file(tensors, os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise FileExistsError(f"save_drafter: {path} exists and is not a directory")
+    kept = _kept_files(path) if os.path.isdir(path) else []
+    parent, name = os.path.split(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.saving-", dir=parent)
+    try:
+        os.chmod(tmp, _default_dir_mode())  # mkdtemp makes it private; a checkpoint gets the usual mode
+        hf = drafter.cfg.to_hf()
+        hf["torch_dtype"] = dtype.name
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf, f, indent=2)
+        tensors = {k: v.astype(dtype) for k, v in export_tensors(drafter, all_drafter_specs(drafter.cfg)).items()}
+        save_file(tensors, os.path.join(tmp, SINGLE_FILE), metadata={"format": "pt"})
+        for file in kept:
+            shutil.copy2(os.path.join(path, file), os.path.join(tmp, file))
+        _swap_in(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _default_dir_mode() -> int:
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o777 & ~umask
+
+
+def _kept_files(path: str) -> list[str]:
+    """The files of an existing checkpoint directory that a new save keeps (all but config and weights)."""
+    names = sorted(os.listdir(path))
+    subdirs = [n for n in names if not os.path.isfile(os.path.join(path, n))]
+    if subdirs:
+        raise ValueError(f"save_drafter replaces the checkpoint directory {path}, but it holds other things "
+                         f"({', '.join(subdirs[:5])}); choose an empty or new directory")
+    return [n for n in names if n != "config.json" and not n.endswith(WEIGHT_SUFFIXES)]
+
+
+def _swap_in(tmp: str, path: str) -> None:
+    """Renames the finished directory ``tmp`` to ``path``, replacing what is there."""
+    if not os.path.exists(path):
+        os.rename(tmp, path)
+        return
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=os.path.dirname(path))
+    os.rmdir(old)  # only the unique name is wanted
+    os.rename(path, old)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        os.rename(old, path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _short(names: list[str], limit: int = 8) -> str:

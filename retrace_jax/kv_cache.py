@@ -48,9 +48,11 @@ def write_rows(buf_lbskd, layer, new_btkd, offsets_b):
     """Writes ``new[b]`` into ``buf[layer, b]`` starting at slot ``offsets[b]``.
 
     One scatter of ``B * T`` rows of ``[K, D]`` into the stacked buffer, which XLA updates in place (no
-    cache-sized copy or transpose); rows that would fall past the end are dropped."""
+    cache-sized copy or transpose). Callers keep ``offsets + T <= S``: the write is promised in bounds,
+    because a bounds check ("drop" mode) makes XLA select over the whole buffer after each write."""
     b, t = new_btkd.shape[:2]
     rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
     slots = offsets_b[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
     layer_idx = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (b, t))
-    return buf_lbskd.at[layer_idx, rows, slots].set(new_btkd.astype(buf_lbskd.dtype), mode="drop")
+    return buf_lbskd.at[layer_idx, rows, slots].set(new_btkd.astype(buf_lbskd.dtype),
+                                                      mode="promise_in_bounds")

@@ -8,7 +8,7 @@ kept for that slot. Before the first drafter layer each valid slot's mask embedd
     r_j  = mem_d[j] + beta * W_c [mem_d[j] ; mem_t[j]]
     e'_j = e_j + valid_j * (W_v r_j) * sigmoid(W_g [e_j ; r_j])
 
-``W_v`` starts at zero, so a new ReTrace module leaves DFlash unchanged. See ``shared/docs/retrace.md``.
+``W_v`` starts at zero, so a new ReTrace module leaves DFlash unchanged. See ``docs/retrace.md``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ReTrace training: the two-round on-policy rollout of ``shared/docs/retrace.md`` in fixed shapes.
+"""ReTrace training: the two-round on-policy rollout of ``docs/retrace.md`` in fixed shapes.
 
 Round 1 drafts every anchored block as DFlash does (no memory) and counts ``a``, the leading proposals
 that match the sequence (the target's own response, so a match is an acceptance). The verify signal
@@ -14,8 +14,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from retrace_jax.dflash_loss import (LossMetrics, block_loss, block_visibility, build_blocks, default_gamma,
-                                     draft_blocks, sequence_context)
+from retrace_jax.dflash_loss import (LossMetrics, batch_sharded, block_loss, block_visibility, build_blocks,
+                                     default_gamma, draft_blocks, sequence_context)
 from retrace_jax.drafter import DFlashDrafter
 from retrace_jax.retrace import Memory, shift_memory
 from retrace_jax.target import TargetModel, forward_beside_context
@@ -41,11 +41,14 @@ def verify_blocks(target: TargetModel, seq_cache, blocks_bak, anchors_ba):
     mask = block_visibility(anchors_ba, seq_cache.max_len, k, causal=True)
     positions = (anchors_ba[:, :, None] + jnp.arange(k)).reshape(b, a * k)
     hidden = forward_beside_context(target, blocks_bak.reshape(b, a * k), positions, seq_cache, mask)
-    return hidden.reshape(b, a, k, -1)
+    return batch_sharded(hidden).reshape(b, a, k, -1)
 
 
 def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss_mask_bs, anchors_ba, valid_ba,
-                    beta, correction_source: str = "verify", gamma: float | None = None, remat: bool = False) -> Rollout:
+                    beta, correction_source: str = "verify", gamma: float | None = None, remat: bool = False,
+                    memory_dtype=None) -> Rollout:
+    """The two-round rollout. The memory carried into round 2 is detached (no gradient flows into round
+    1 through it); ``memory_dtype`` (e.g. ``"float16"``) stores it rounded to that type."""
     if correction_source not in CORRECTION_SOURCES:
         raise ValueError(f"correction_source must be one of {CORRECTION_SOURCES}, got {correction_source!r}")
     cfg = drafter.cfg
@@ -60,7 +63,7 @@ def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss
     # Round 1: DFlash drafting, no memory.
     blocks1 = build_blocks(tokens_bs, loss_mask_bs, anchors_ba, valid_ba, k, cfg.mask_token_id, gamma)
     hidden1 = draft_blocks(drafter, target, ctx_kv, blocks1, remat=remat)
-    logits1 = target.logits(hidden1)
+    logits1 = batch_sharded(target.logits(hidden1))
     round1 = block_loss(logits1, blocks1)
     proposals = jnp.argmax(logits1[:, :, 1:], -1).astype(jnp.int32)  # [B, A, K-1]
     # A proposal is accepted when it equals the sequence token, as long as that token is a real label.
@@ -78,6 +81,9 @@ def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss
     memory = shift_memory(hidden1.reshape(b * a_count, k, -1),
                           target_states.reshape(b * a_count, k, -1).astype(hidden1.dtype), accepted.reshape(-1))
     memory = jax.tree.map(lambda x: x.reshape((b, a_count * k) + x.shape[2:]), memory)
+    if memory_dtype is not None:  # stored in memory_dtype, used in the compute dtype
+        memory = memory.replace(mem_d=memory.mem_d.astype(memory_dtype).astype(memory.mem_d.dtype),
+                                mem_t=memory.mem_t.astype(memory_dtype).astype(memory.mem_t.dtype))
 
     # Round 2: re-anchored after the accepted prefix and its correction token.
     anchors2 = anchors_ba + accepted + 1
@@ -86,13 +92,13 @@ def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss
     blocks2 = build_blocks(tokens_bs, loss_mask_bs, anchors2, valid2, k, cfg.mask_token_id, gamma)
     memory = memory.replace(valid=memory.valid & jnp.repeat(valid2, k, axis=1))
     hidden2 = draft_blocks(drafter, target, ctx_kv, blocks2, memory, beta, remat=remat)
-    round2 = block_loss(target.logits(hidden2), blocks2)
+    round2 = block_loss(batch_sharded(target.logits(hidden2)), blocks2)
     return Rollout(round1, round2, accepted, memory, hidden2.reshape(b, a_count * k, -1), anchors2, valid2)
 
 
 def retrace_loss(drafter, target, tokens_bs, loss_mask_bs, anchors_ba, valid_ba, beta, *, round1_weight=1.0,
-                 correction_source="verify", gamma=None, remat=False):
+                 correction_source="verify", gamma=None, remat=False, memory_dtype=None):
     """Round-2 loss plus ``round1_weight`` times the round-1 (DFlash) loss; metrics of both rounds."""
     r = retrace_rollout(drafter, target, tokens_bs, loss_mask_bs, anchors_ba, valid_ba, beta, correction_source,
-                        gamma, remat)
+                        gamma, remat, memory_dtype)
     return r.round2.loss + round1_weight * r.round1.loss, r

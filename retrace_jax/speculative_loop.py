@@ -213,7 +213,7 @@ class SpeculativeStepper:
         def step(states, consts, carry):
             return speculative_round(self._models(states), consts, carry)
 
-        self._init, self._step = jax.jit(init), jax.jit(step)
+        self._init, self._step = jax.jit(init), jax.jit(step, donate_argnums=2)  # the carry is updated in place
 
     def _models(self, states):
         return (merge_target(self._defs[0], states[0], self._layer_loop), nnx.merge(self._defs[1], states[1]))
@@ -224,6 +224,8 @@ class SpeculativeStepper:
         return self.carry
 
     def step(self) -> RoundInfo:
+        """One round; the previous carry is donated (its buffers are reused), so keep a copy
+        (``jax.tree.map(jnp.copy, stepper.carry)``) to run a round again from the same state."""
         self.carry, info = self._step(self._states, self.consts, self.carry)
         return info
 

@@ -16,8 +16,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from retrace_jax.dflash_loss import dflash_loss, sample_anchors
-from retrace_jax.retrace_loss import retrace_loss
+from retrace_jax.dflash_loss import TRAIN_MESH, dflash_loss, sample_anchors
+from retrace_jax.retrace_loss import CORRECTION_SOURCES, retrace_loss
 from retrace_jax.sharding import batch_sharding
 
 OBJECTIVES = ("dflash", "retrace")
@@ -35,18 +35,35 @@ class StepOptions:
     compute_dtype: str = "float32"  # "bfloat16": compute with bf16 copies of the float32 master weights
     remat: bool = False  # recompute drafter layer activations in the backward pass
     grad_accum: int = 1  # micro-steps per optimizer update
+    memory_dtype: str | None = None  # ReTrace: dtype the retained (detached) states are stored in; None: compute
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
+        if self.correction_source not in CORRECTION_SOURCES:
+            raise ValueError(f"correction_source must be one of {CORRECTION_SOURCES}, got {self.correction_source!r}")
+        if self.gamma is not None and not (isinstance(self.gamma, (int, float)) and 0 < self.gamma < float("inf")):
+            raise ValueError(f"gamma must be a positive number or None, got {self.gamma!r}")
+        if self.memory_dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"memory_dtype must be float32, bfloat16, float16 or None, got {self.memory_dtype!r}")
+        if not isinstance(self.remat, bool):
+            raise ValueError(f"remat must be True or False, got {self.remat!r}")
+        for name in ("num_anchors", "grad_accum"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def adamw(lr: float, steps: int, warmup_frac: float = 0.04, weight_decay: float = 0.0, clip: float = 1.0,
           grad_accum: int = 1):
     """AdamW with linear warm-up, cosine decay and global-norm clipping (the DFlash recipe); with
     ``grad_accum > 1`` gradients of that many consecutive steps are averaged into one update."""
+    if not (isinstance(lr, (int, float)) and 0 < lr < float("inf")):
+        raise ValueError(f"lr must be a positive number, got {lr!r}")
+    if not (isinstance(clip, (int, float)) and 0 < clip < float("inf")):
+        raise ValueError(f"clip must be a positive number (the global gradient-norm limit), got {clip!r}")
     updates = max(2, steps // max(1, grad_accum))
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, int(warmup_frac * updates)), updates)
     opt = optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay))
@@ -68,7 +85,7 @@ def loss_fn(drafter_state, drafter_def, target, tokens_bs, loss_mask_bs, step, s
     beta = jnp.clip(updates / max(1, opts.beta_warmup_steps), 0.0, 1.0)
     loss, r = retrace_loss(drafter, target, tokens_bs, loss_mask_bs, anchors, valid, beta,
                            round1_weight=opts.round1_weight, correction_source=opts.correction_source,
-                           gamma=opts.gamma, remat=opts.remat)
+                           gamma=opts.gamma, remat=opts.remat, memory_dtype=opts.memory_dtype)
     return loss, {"loss": loss, "loss_round1": r.round1.loss, "loss_round2": r.round2.loss, "tau": r.round1.tau,
                   "tau_round2": r.round2.tau, "slot_accuracy": r.round1.slot_accuracy,
                   "slot_accuracy_round2": r.round2.slot_accuracy, "beta": beta,
@@ -86,18 +103,37 @@ def _step(target_state, drafter_state, opt_state, tokens_bs, loss_mask_bs, step,
     return optax.apply_updates(drafter_state, updates), opt_state, metrics
 
 
+def opt_state_shardings(optimizer, drafter_state, mesh):
+    """Shardings of the optimizer state: each moment like its parameter (so FSDP shards AdamW's state
+    too), counters and other scalars replicated. ``drafter_state`` may be abstract."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    abstract = jax.eval_shape(optimizer.init, drafter_state)
+    param_shardings = jax.tree.map(lambda x: x.sharding, drafter_state)
+    return optax.tree_map_params(optimizer, lambda _, s: s, abstract, param_shardings,
+                                 transform_non_params=lambda _: replicated,
+                                 is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
 def init_opt_state(optimizer, drafter_state, mesh=None):
     """The optimizer state, laid out like the parameters (scalars replicated over the mesh)."""
-    opt_state = jax.jit(optimizer.init)(drafter_state)
     if mesh is None:
-        return opt_state
-    replicated = NamedSharding(mesh, PartitionSpec())
+        return jax.jit(optimizer.init)(drafter_state)
+    return jax.jit(optimizer.init, out_shardings=opt_state_shardings(optimizer, drafter_state, mesh))(drafter_state)
 
-    def place(x):
-        on_mesh = isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
-        return x if on_mesh else jax.device_put(x, replicated)
 
-    return jax.tree.map(place, opt_state)
+def _under_mesh(fn, mesh):
+    """``fn`` traced with ``mesh`` in ``TRAIN_MESH``, so that the losses pin activations to the batch
+    axes (see ``dflash_loss.batch_sharded``)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args):
+        token = TRAIN_MESH.set(mesh)
+        try:
+            return fn(*args)
+        finally:
+            TRAIN_MESH.reset(token)
+
+    return wrapped
 
 
 def make_train_step(target_def, drafter_def, optimizer, opts: StepOptions, *, mesh=None, drafter_shardings=None,
@@ -112,6 +148,7 @@ def make_train_step(target_def, drafter_def, optimizer, opts: StepOptions, *, me
     fn = functools.partial(_step, target_def=target_def, drafter_def=drafter_def, optimizer=optimizer, opts=opts)
     if mesh is None:
         return jax.jit(fn, donate_argnums=(1, 2))
+    fn = _under_mesh(fn, mesh)
     batch, replicated = batch_sharding(mesh, 2), NamedSharding(mesh, PartitionSpec())
     in_shardings = (None, drafter_shardings, opt_shardings, batch, batch, replicated, replicated)
     if precomputed_features:

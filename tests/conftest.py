@@ -1,7 +1,12 @@
+import os
 
 import pytest
 
-from tests.hf_models import FAMILIES, make_hf_model, save_hf_model
+# decode.py turns on JAX's persistent compilation cache; the tests neither write to the user's cache nor
+# load programs from it (a cache hit would hide the compilations that some tests count).
+os.environ["RETRACE_JAX_CACHE_DIR"] = ""
+
+from tests.helpers import FAMILIES, make_hf_model, save_hf_model
 
 
 @pytest.fixture(scope="session", params=sorted(FAMILIES))

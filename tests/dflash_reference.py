@@ -1,4 +1,4 @@
-"""A PyTorch DFlash drafter written from the spec (shared/docs/dflash.md), in the official layout.
+"""A PyTorch DFlash drafter written from the spec (docs/dflash.md), in the official layout.
 
 It is the tests' reference: the same module names, config fields and forward as the official
 ``DFlashDraftModel`` (``from_pretrained`` on a directory written by ``rj.save_drafter``), plus a plain

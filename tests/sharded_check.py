@@ -1,10 +1,27 @@
-"""Run in its own process with 8 CPU devices (see test_sharding.py): sharded generation equals the
-single-device run, parameters and caches carry the intended shardings."""
+"""Run in its own process with N CPU devices (see test_sharding.py): sharded generation equals the
+single-device run, parameters and caches carry the intended shardings.
 
+    python tests/sharded_check.py WORKDIR                       # 8 devices, four meshes, four methods
+    python tests/sharded_check.py WORKDIR --devices 4 --mesh data=2,tensor=2 --methods plain,retrace
+"""
+
+import argparse
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("workdir")
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--mesh", action="append", help="mesh spec (repeatable); default: four 8-device meshes")
+    p.add_argument("--methods", default="plain,dflash,retrace,sampled")
+    return p.parse_args(argv)
+
+
+ARGS = parse_args()
+# XLA reads the device count when jax is imported.
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={ARGS.devices}"
 
 import dataclasses  # noqa: E402
 
@@ -17,24 +34,27 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
 from retrace_jax.sharding import CACHE_AXES, named_sharding  # noqa: E402
-from tests.hf_models import make_hf_model, save_hf_model  # noqa: E402
-from tests.test_drafter import randomize  # noqa: E402
+from tests.helpers import make_hf_model, randomize, save_hf_model  # noqa: E402
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3], [40, 41, 42, 43]]
 
 
-def run_all(target, dflash, retrace, mesh):
+DEFAULT_MESHES = ("data=8", "data=2,tensor=4", "tensor=8", "data=2,fsdp=2,tensor=2")
+
+
+def run_all(target, dflash, retrace, mesh, methods):
     kw = dict(max_new_tokens=20, mesh=mesh)
-    return {
-        "plain": rj.generate(target, PROMPTS, **kw),
-        "dflash": rj.generate(target, PROMPTS, drafter=dflash, **kw),
-        "retrace": rj.generate(target, PROMPTS, drafter=retrace, **kw),
-        "sampled": rj.generate(target, PROMPTS, drafter=retrace, temperature=1.0, seed=3, **kw),
+    runs = {
+        "plain": lambda: rj.generate(target, PROMPTS, **kw),
+        "dflash": lambda: rj.generate(target, PROMPTS, drafter=dflash, **kw),
+        "retrace": lambda: rj.generate(target, PROMPTS, drafter=retrace, **kw),
+        "sampled": lambda: rj.generate(target, PROMPTS, drafter=retrace, temperature=1.0, seed=3, **kw),
     }
+    return {name: runs[name]() for name in methods}
 
 
-def main(workdir):
-    assert jax.device_count() == 8, jax.devices()
+def main(workdir, devices, specs, methods):
+    assert jax.device_count() == devices, jax.devices()
     model = make_hf_model("qwen3", num_attention_heads=16, num_key_value_heads=8, head_dim=8)
     target_dir = save_hf_model(model, os.path.join(workdir, "target"))
     target = rj.load_target(target_dir)
@@ -44,10 +64,11 @@ def main(workdir):
     dflash_dir, retrace_dir = os.path.join(workdir, "dflash"), os.path.join(workdir, "retrace")
     rj.save_drafter(dflash, dflash_dir)
     rj.save_drafter(retrace, retrace_dir)
-    reference = run_all(target, dflash, retrace, None)
-    assert reference["retrace"].acceptance_lengths != reference["dflash"].acceptance_lengths
+    reference = run_all(target, dflash, retrace, None, methods)
+    if {"retrace", "dflash"} <= set(methods):
+        assert reference["retrace"].acceptance_lengths != reference["dflash"].acceptance_lengths
 
-    for spec in ("data=8", "data=2,tensor=4", "tensor=8", "data=2,fsdp=2,tensor=2"):
+    for spec in specs:
         mesh = rj.make_mesh(spec)
         t = rj.load_target(target_dir, mesh=mesh)  # each device reads its own shards
         d = rj.load_drafter(dflash_dir, t, mesh=mesh)
@@ -56,7 +77,7 @@ def main(workdir):
         q = t.layers.self_attn.q_proj.kernel[...]  # [layers, d, heads * head_dim], stacked
         want_q = P(None, "fsdp" if fsdp > 1 else None, "tensor" if tensor > 1 else None)
         assert q.sharding.spec == want_q, (spec, q.sharding.spec)
-        assert len(q.addressable_shards) == 8
+        assert len(q.addressable_shards) == devices
         if tensor > 1:
             assert q.addressable_shards[0].data.shape[2] == q.shape[2] // tensor
         o = d.layers[0].self_attn.o_proj.kernel[...]
@@ -71,23 +92,23 @@ def main(workdir):
             model = nnx.merge(graphdef, state)
             return model(tokens, model.init_cache(tokens.shape[0], 16).constrain(mesh)).cache
 
-        cache = cache_after_prefill(state, jnp.zeros((8, 3), jnp.int32))
+        cache = cache_after_prefill(state, jnp.zeros((devices, 3), jnp.int32))
         assert cache.k.sharding.is_equivalent_to(named_sharding(CACHE_AXES, cache.k.shape, mesh), 5), cache.k.sharding
 
-        got = run_all(t, d, r, mesh)
+        got = run_all(t, d, r, mesh, methods)
         for name, out in reference.items():
             assert got[name] == out, (spec, name, got[name], out)
-        print(f"mesh {spec}: plain, DFlash, ReTrace and sampled outputs equal the single-device run")
+        print(f"mesh {spec}: {', '.join(methods)} outputs equal the single-device run")
 
     small = save_hf_model(make_hf_model("qwen3"), os.path.join(workdir, "small"))  # 4 heads, 2 KV heads
     try:
-        rj.load_target(small, mesh=rj.make_mesh("tensor=8"))
+        rj.load_target(small, mesh=rj.make_mesh(f"tensor={devices}"))
     except ValueError as err:
-        assert "do not divide over the tensor axis of size 8" in str(err), err
+        assert f"do not divide over the tensor axis of size {devices}" in str(err), err
     else:
         raise AssertionError("a KV head count that does not divide the tensor axis must be refused")
     print("ok")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(ARGS.workdir, ARGS.devices, ARGS.mesh or DEFAULT_MESHES, ARGS.methods.split(","))

@@ -18,8 +18,7 @@ import retrace_jax as rj  # noqa: E402
 from retrace_jax.hf_io import model_specs  # noqa: E402
 from retrace_jax.sharding import batch_sharding, named_sharding  # noqa: E402
 from retrace_jax.train_step import StepOptions, adamw, init_opt_state, make_train_step  # noqa: E402
-from tests.hf_models import make_hf_model, save_hf_model  # noqa: E402
-from tests.test_drafter import randomize  # noqa: E402
+from tests.helpers import make_hf_model, randomize, save_hf_model  # noqa: E402
 
 
 def run(target, drafter, tokens, mask, opts, mesh):
@@ -58,7 +57,9 @@ def main(workdir):
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
         axes = {s.path: s.axes for s in model_specs(got)}
         for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(ref)), nnx.to_flat_state(nnx.state(got))):
-            np.testing.assert_allclose(np.asarray(a.get_value()), np.asarray(b.get_value()), atol=1e-5, rtol=1e-4,
+            # Three AdamW steps of lr 1e-2: a sharded reduction order moves a weight by up to ~2e-5 (0.2% of
+            # one step) where the second moment is tiny.
+            np.testing.assert_allclose(np.asarray(a.get_value()), np.asarray(b.get_value()), atol=5e-5, rtol=1e-4,
                                        err_msg=str(path))
             value = b.get_value()
             want = named_sharding(axes.get(path, (None,) * value.ndim), value.shape, mesh)

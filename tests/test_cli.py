@@ -8,7 +8,7 @@ import pytest
 import decode
 import retrace_jax as rj
 import train
-from tests.hf_models import save_word_tokenizer
+from tests.helpers import save_word_tokenizer
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny_dflash.yaml")
 
@@ -22,11 +22,12 @@ def test_train_then_decode_tiny(tmp_path, capsys):
     assert records[0]["event"] == "prepared" and records[-1]["event"] == "done"
     assert any("loss" in r for r in records)
     capsys.readouterr()
-    decode.main(["--target", "tiny", "--drafter", os.path.join(out, "drafter"), "--max-new-tokens", "12"])
+    decode.main(["--target", "tiny", "--drafter", os.path.join(out, "drafter"), "--max-new-tokens", "12",
+                 "--runs", "1"])
     lines = capsys.readouterr().out.splitlines()
     table = [line for line in lines if line.startswith(("plain ", "dflash "))]
     assert len(table) == 2 and all(line.endswith("yes") for line in table)
-    decode.main(["--target", "tiny", "--max-new-tokens", "12"])  # the smoke run: a random drafter
+    decode.main(["--target", "tiny", "--max-new-tokens", "12", "--runs", "1"])  # the smoke run: a random drafter
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("A smoke run")
     table = [line for line in lines if line.startswith(("plain ", "dflash "))]
@@ -48,10 +49,8 @@ def test_decode_with_hf_directories(hf_model_dir, trained_drafter, tmp_path, cap
     drafter_dir = str(tmp_path / "drafter")
     rj.save_drafter(trained_drafter[0], drafter_dir)
     decode.main(["--target", target_dir, "--drafter", drafter_dir, "--prompt", "w5 w6 w7 w8", "--raw",
-                 "--max-new-tokens", "20"])
+                 "--max-new-tokens", "20", "--runs", "1"])
     lines = capsys.readouterr().out.splitlines()
     assert any(line.startswith("w") for line in lines)  # decoded text
     table = [line for line in lines if line.startswith(("plain ", "dflash "))]
     assert len(table) == 2 and all(line.endswith("yes") for line in table)
-    with pytest.raises(SystemExit, match="needs --target"):
-        decode.main(["--drafter", drafter_dir])

@@ -1,5 +1,6 @@
 """Commit arithmetic against a plain-Python reference, for any tokens, counts, stops and limits."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings
@@ -31,23 +32,31 @@ row = st.tuples(
 )
 
 
+ROWS, STOPS = 4, 4
+# One compiled program for every drawn case: the batch is padded to ROWS with finished rows (which must
+# stay unchanged) and the stop list to STOPS with -1.
+jit_commit = jax.jit(commit)
+
+
 @settings(max_examples=200, deadline=None)
-@given(rows=st.lists(row, min_size=1, max_size=4), max_new=st.integers(1, CAP),
-       stops=st.lists(st.integers(0, VOCAB - 1), max_size=3))
+@given(rows=st.lists(row, min_size=1, max_size=ROWS), max_new=st.integers(1, CAP),
+       stops=st.lists(st.integers(0, VOCAB - 1), max_size=STOPS - 1))
 def test_commit_matches_reference(rows, max_new, stops):
     rows = [(e[:max_new], d or len(e[:max_new]) >= max_new, n, c) for e, d, n, c in rows]
-    tokens = np.zeros((len(rows), CAP), np.int32)
+    rows += [([], True, [0] * K, K)] * (ROWS - len(rows))  # padding rows: finished, so unchanged
+    tokens = np.zeros((ROWS, CAP), np.int32)
     for b, (existing, *_rest) in enumerate(rows):
         tokens[b, : len(existing)] = existing
     buf = OutputBuffer(jnp.asarray(tokens), jnp.asarray([len(r[0]) for r in rows], jnp.int32),
                        jnp.asarray([r[1] for r in rows]))
-    stop_ids = jnp.asarray(stops + [-1] * (4 - len(stops)), jnp.int32)
-    got = commit(buf, jnp.asarray([r[2] for r in rows], jnp.int32), jnp.asarray([r[3] for r in rows], jnp.int32),
-                 jnp.int32(max_new), stop_ids)
+    stop_ids = jnp.asarray(stops + [-1] * (STOPS - len(stops)), jnp.int32)
+    got = jit_commit(buf, jnp.asarray([r[2] for r in rows], jnp.int32), jnp.asarray([r[3] for r in rows], jnp.int32),
+                     jnp.int32(max_new), stop_ids)
+    got_tokens, got_num, got_done = (np.asarray(x) for x in (got.tokens, got.num, got.done))
     for b, (existing, done, new, count) in enumerate(rows):
         want, want_done = reference(existing, done, new, count, max_new, stops)
-        n = int(got.num[b])
-        assert np.asarray(got.tokens[b, :n]).tolist() == want
-        assert bool(got.done[b]) == want_done
+        n = int(got_num[b])
+        assert got_tokens[b, :n].tolist() == want
+        assert bool(got_done[b]) == want_done
         # Nothing is written past the committed tokens.
-        assert np.asarray(got.tokens[b, n:]).tolist() == tokens[b, n:].tolist()
+        assert got_tokens[b, n:].tolist() == tokens[b, n:].tolist()

@@ -14,20 +14,9 @@ from safetensors.torch import load_file as load_torch
 
 import retrace_jax as rj
 from tests.dflash_reference import RefDFlashDraftModel
+from tests.helpers import randomize
 
 TOL = 1e-4
-
-
-def randomize(module, seed=0, scale=0.15):
-    """Replaces every parameter with N(0, scale) noise (norm scales around 1), so tests exercise them."""
-    graphdef, state = nnx.split(module)
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-    new = [
-        (1.0 + 0.1 * jax.random.normal(k, x.shape) if x.ndim == 1 else scale * jax.random.normal(k, x.shape)).astype(x.dtype)
-        for k, x in zip(keys, leaves)
-    ]
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, new))
 
 
 @pytest.fixture(scope="module")

@@ -1,19 +1,11 @@
 """Greedy generation as one program: equal to transformers, batch-invariant, exact stopping."""
 
 import pytest
-import torch
 
 import retrace_jax as rj
-from tests.compile_count import count_compiles
+from tests.helpers import count_compiles, hf_greedy
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17], [3], [40, 41]]
-
-
-def hf_greedy(model, prompt, n):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def test_batched_greedy_equals_hf_generate(family, hf_model_dir):

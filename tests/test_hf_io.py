@@ -1,40 +1,18 @@
 """Loading Hugging Face checkpoints: sharded files, and clear errors for what does not fit."""
 
-import json
 import os
-import shutil
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
 
 import retrace_jax as rj
-from tests.hf_models import make_hf_model, save_hf_model
+from tests.helpers import copy_model_dir, edit_config, edit_tensors, make_hf_model, save_hf_model
 
 
 @pytest.fixture
 def qwen3_copy(hf_model_dir, tmp_path):
-    _, directory = hf_model_dir("qwen3")
-    dst = tmp_path / "model"
-    shutil.copytree(directory, dst)
-    return str(dst)
-
-
-def _edit_tensors(directory, fn):
-    path = os.path.join(directory, "model.safetensors")
-    tensors = load_file(path)
-    fn(tensors)
-    save_file(tensors, path, metadata={"format": "pt"})
-
-
-def _edit_config(directory, fn):
-    path = os.path.join(directory, "config.json")
-    with open(path) as f:
-        cfg = json.load(f)
-    fn(cfg)
-    with open(path, "w") as f:
-        json.dump(cfg, f)
+    return copy_model_dir(hf_model_dir("qwen3")[1], tmp_path / "model")
 
 
 def test_sharded_checkpoint_loads_identically(hf_model_dir, tmp_path):
@@ -66,13 +44,13 @@ def test_missing_shard_file(hf_model_dir, tmp_path):
 
 
 def test_unsupported_model_type(qwen3_copy):
-    _edit_config(qwen3_copy, lambda c: c.update(model_type="mistral"))
+    edit_config(qwen3_copy, lambda c: c.update(model_type="mistral"))
     with pytest.raises(rj.ConfigError, match="unsupported model_type 'mistral'"):
         rj.load_target(qwen3_copy)
 
 
 def test_unsupported_rope_scaling(qwen3_copy):
-    _edit_config(qwen3_copy, lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0}))
+    edit_config(qwen3_copy, lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0}))
     with pytest.raises(rj.ConfigError, match="yarn"):
         rj.load_target(qwen3_copy)
 
@@ -82,13 +60,13 @@ def test_missing_and_extra_tensors(qwen3_copy):
         t["model.extra.weight"] = np.zeros((2,), np.float32)
         del t["model.layers.1.mlp.up_proj.weight"]
 
-    _edit_tensors(qwen3_copy, edit)
+    edit_tensors(qwen3_copy, edit)
     with pytest.raises(rj.CheckpointError, match=r"missing tensors model.layers.1.mlp.up_proj.weight.*model.extra.weight"):
         rj.load_target(qwen3_copy)
 
 
 def test_wrong_shape(qwen3_copy):
-    _edit_tensors(qwen3_copy, lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": np.zeros((32, 64), np.float32)}))
+    edit_tensors(qwen3_copy, lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": np.zeros((32, 64), np.float32)}))
     with pytest.raises(rj.CheckpointError, match=r"k_proj.weight has shape \(32, 64\), the config implies \(64, 64\)"):
         rj.load_target(qwen3_copy)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import retrace_jax as rj
-from tests.hf_models import make_hf_model, save_hf_model
+from tests.helpers import make_hf_model, save_hf_model
 
 
 @pytest.mark.slow

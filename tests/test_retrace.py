@@ -13,24 +13,31 @@ from hypothesis import strategies as st
 import retrace_jax as rj
 from retrace_jax.retrace import Memory, ReTraceFusion, shift_memory
 from tests.dflash_reference import RefDFlashDraftModel
+from tests.helpers import with_random_retrace
+
+
+BLOCK_SIZES = (2, 3, 4, 7, 8, 16)  # each compiles shift_memory once; a and s are values
+jit_shift_memory = jax.jit(shift_memory)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(2, 16).flatmap(lambda k: st.tuples(st.just(k), st.integers(0, k - 1), st.integers(0, 1000))))
+@given(st.sampled_from(BLOCK_SIZES).flatmap(lambda k: st.tuples(st.just(k), st.integers(0, k - 1),
+                                                                  st.integers(0, 1000))))
 def test_buffer_entries_hold_the_same_absolute_position(case):
     """Encode each state with the absolute position it describes; after the shift, every valid slot
     of the next block holds states of exactly that slot's position."""
     k, a, s = case
-    hd = (s + jnp.arange(k, dtype=jnp.float32))[None, :, None]  # hd[i] describes position s + i
-    ht = (s + 1 + jnp.arange(k, dtype=jnp.float32))[None, :, None]  # ht[i] scores position s + i + 1
-    mem = shift_memory(hd, ht, jnp.asarray([a], jnp.int32))
+    hd = (s + np.arange(k, dtype=np.float32))[None, :, None]  # hd[i] describes position s + i
+    ht = (s + 1 + np.arange(k, dtype=np.float32))[None, :, None]  # ht[i] scores position s + i + 1
+    mem = jit_shift_memory(hd, ht, np.asarray([a], np.int32))
+    valid, mem_d, mem_t = (np.asarray(x)[0] for x in (mem.valid, mem.mem_d, mem.mem_t))
     next_start = s + a + 1
     for j in range(k):
         expect_valid = 1 <= j <= k - 2 - a
-        assert bool(mem.valid[0, j]) == expect_valid
+        assert bool(valid[j]) == expect_valid
         if expect_valid:
-            assert float(mem.mem_d[0, j, 0]) == next_start + j
-            assert float(mem.mem_t[0, j, 0]) == next_start + j
+            assert float(mem_d[j, 0]) == next_start + j
+            assert float(mem_t[j, 0]) == next_start + j
 
 
 def _fusion(signals="both", rank=None, gate=True, seed=0):
@@ -80,17 +87,6 @@ def dflash_dir(trained_drafter, tmp_path_factory):
     return path
 
 
-def _with_random_retrace(drafter, seed=0, scale=0.3):
-    graphdef, state = nnx.split(drafter)
-    flat = dict(nnx.to_flat_state(state))
-    key = jax.random.PRNGKey(seed)
-    for path, var in flat.items():
-        if path[0] == "retrace":
-            key, sub = jax.random.split(key)
-            var.set_value(scale * jax.random.normal(sub, var.get_value().shape))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
-
-
 def test_zero_initialised_retrace_is_exactly_dflash(qwen3, trained_drafter, dflash_dir):
     dflash, prompts = trained_drafter
     retrace = rj.load_drafter(dflash_dir, qwen3, retrace=True)
@@ -104,7 +100,7 @@ def test_zero_initialised_retrace_is_exactly_dflash(qwen3, trained_drafter, dfla
 
 def test_random_retrace_weights_stay_lossless_and_change_the_traces(qwen3, trained_drafter, dflash_dir):
     dflash, prompts = trained_drafter
-    retrace = _with_random_retrace(rj.load_drafter(dflash_dir, qwen3, retrace=True))
+    retrace = with_random_retrace(rj.load_drafter(dflash_dir, qwen3, retrace=True))
     plain = rj.generate(qwen3, prompts[:8], 32)
     dfl = rj.generate(qwen3, prompts[:8], 32, drafter=dflash)
     ret = rj.generate(qwen3, prompts[:8], 32, drafter=retrace)
@@ -116,7 +112,7 @@ def test_random_retrace_weights_stay_lossless_and_change_the_traces(qwen3, train
 
 def test_batched_retrace_rows_equal_rows_alone(qwen3, dflash_dir, trained_drafter):
     _, prompts = trained_drafter
-    retrace = _with_random_retrace(rj.load_drafter(dflash_dir, qwen3, retrace=True), seed=1, scale=0.1)
+    retrace = with_random_retrace(rj.load_drafter(dflash_dir, qwen3, retrace=True), seed=1, scale=0.1)
     batched = rj.generate(qwen3, prompts[:5], 30, drafter=retrace)
     assert len({tuple(a) for a in batched.acceptance_lengths}) > 1  # rows accept differently
     for i, p in enumerate(prompts[:5]):
@@ -129,7 +125,7 @@ def test_retrace_checkpoint_round_trip(qwen3, dflash_dir, tmp_path, cfg):
     base = rj.load_drafter(dflash_dir, qwen3)
     import dataclasses
     drafter = rj.DFlashDrafter(dataclasses.replace(base.cfg, retrace=cfg), rngs=nnx.Rngs(0))
-    drafter = _with_random_retrace(drafter, seed=2)
+    drafter = with_random_retrace(drafter, seed=2)
     rj.save_drafter(drafter, str(tmp_path))
     with open(tmp_path / "config.json") as f:
         assert json.load(f)["retrace_config"] == {"enabled": True, "signals": cfg.signals, "rank": cfg.rank,
@@ -143,7 +139,7 @@ def test_retrace_checkpoint_round_trip(qwen3, dflash_dir, tmp_path, cfg):
 
 
 def test_reference_pytorch_loads_the_dflash_part(qwen3, dflash_dir, tmp_path):
-    retrace = _with_random_retrace(rj.load_drafter(dflash_dir, qwen3, retrace=True))
+    retrace = with_random_retrace(rj.load_drafter(dflash_dir, qwen3, retrace=True))
     rj.save_drafter(retrace, str(tmp_path))
     _, info = RefDFlashDraftModel.from_pretrained(str(tmp_path), output_loading_info=True)
     assert not info["missing_keys"]

@@ -12,8 +12,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 import retrace_jax as rj
 from retrace_jax.sampling import SamplingMode, filtered_logprobs
-from tests.hf_models import make_hf_model, save_hf_model
-from tests.test_drafter import randomize
+from tests.helpers import make_hf_model, randomize, save_hf_model
 
 VOCAB = 6
 PROMPT = [1, 4, 2]
@@ -101,9 +100,19 @@ def sampled_run(small_vocab, method, temperature, top_k, top_p):
     return _RUNS[key]
 
 
-@pytest.mark.parametrize("method", ["plain", "argmax", "target_sample", "sample"])
-@pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS)
-def test_speculative_sampling_is_exact(small_vocab, method, temperature, top_k, top_p):
+# Each case compiles a program for 6000 rows. The default run keeps four that between them cover plain
+# sampling, the three draft rules and the filters; the others are marked slow (pytest -m slow).
+@pytest.mark.parametrize("temperature,top_k,top_p,method", [
+    (1.0, 0, 1.0, "plain"),
+    (1.0, 0, 1.0, "argmax"),
+    (1.0, 0, 1.0, "target_sample"),
+    (0.8, 4, 0.9, "sample"),
+    pytest.param(1.0, 0, 1.0, "sample", marks=pytest.mark.slow),
+    pytest.param(0.8, 4, 0.9, "plain", marks=pytest.mark.slow),
+    pytest.param(0.8, 4, 0.9, "argmax", marks=pytest.mark.slow),
+    pytest.param(0.8, 4, 0.9, "target_sample", marks=pytest.mark.slow),
+])
+def test_speculative_sampling_is_exact(small_vocab, temperature, top_k, top_p, method):
     model, _ = small_vocab
     out = sampled_run(small_vocab, method, temperature, top_k, top_p)
     counts = {}
@@ -123,7 +132,7 @@ def first_round_counts(out) -> np.ndarray:
     return np.bincount([lens[0] for lens in out.acceptance_lengths], minlength=4)[1:]
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS)
+@pytest.mark.parametrize("temperature,top_k,top_p", [SETTINGS[0], pytest.param(*SETTINGS[1], marks=pytest.mark.slow)])
 def test_official_rule_accepts_like_one_hot_rejection(small_vocab, temperature, top_k, top_p):
     """The official rule (accept while the argmax equals the target's sample) and one-hot rejection
     (accept x with probability p(x)) accept each proposal with the same probability: their first-round

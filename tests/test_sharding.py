@@ -1,5 +1,6 @@
-"""Sharded inference. The 8-device checks run in their own process (XLA_FLAGS must be set before jax
-is imported); mesh parsing and rules are checked here."""
+"""Sharded inference. The multi-device checks run in their own process (XLA_FLAGS must be set before
+jax is imported): a 4-device one in the default suite, the 8-device ones marked slow; mesh parsing and
+rules are checked here."""
 
 import os
 import subprocess
@@ -12,23 +13,34 @@ import retrace_jax as rj
 from retrace_jax.sharding import partition_spec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 
 
-def _run_8_devices(script, tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, script), str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=600)
+def _run_with_devices(script, tmp_path, devices=8, args=()):
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, os.path.join(HERE, script), str(tmp_path), *args], env=env,
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert proc.stdout.strip().endswith("ok")
     return proc.stdout
 
 
+def test_sharded_generation_on_4_cpu_devices(tmp_path):
+    """The default suite's multi-device check: one mesh with both a data and a tensor axis."""
+    out = _run_with_devices("sharded_check.py", tmp_path, 4, ["--devices", "4", "--mesh", "data=2,tensor=2",
+                                                               "--methods", "plain,retrace"])
+    assert out.count("equal the single-device run") == 1
+
+
+@pytest.mark.slow
 def test_sharded_generation_on_8_cpu_devices(tmp_path):
-    assert _run_8_devices("sharded_check.py", tmp_path).count("equal the single-device run") == 4
+    assert _run_with_devices("sharded_check.py", tmp_path).count("equal the single-device run") == 4
 
 
+@pytest.mark.slow
 def test_sharded_train_step_on_8_cpu_devices(tmp_path):
-    assert _run_8_devices("sharded_train_check.py", tmp_path).count("mesh step equals one device") == 2
+    assert _run_with_devices("sharded_train_check.py", tmp_path).count("mesh step equals one device") == 2
 
 
 def test_make_mesh_specs():

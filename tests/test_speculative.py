@@ -6,10 +6,9 @@ import pytest
 
 import retrace_jax as rj
 import retrace_jax.generation as generation
-from tests.compile_count import count_compiles
+from tests.helpers import count_compiles, hf_greedy, randomize
 from tests.dflash_reference import RefDFlashDraftModel, reference_spec_generate
-from tests.test_drafter import randomize
-from tests.test_generate import PROMPTS, hf_greedy
+from tests.test_generate import PROMPTS
 
 
 def random_drafter(target, block_size=4, seed=0):
@@ -56,6 +55,31 @@ def test_traces_equal_the_pytorch_reference_loop(qwen3, trained_drafter, hf_mode
     model, _ = hf_model_dir("qwen3")
     prompts = train_prompts[:3]
     out = rj.generate(qwen3, prompts, max_new_tokens=24, drafter=drafter)
+    for prompt, tokens, rounds in zip(prompts, out.tokens, out.acceptance_lengths):
+        assert (tokens, rounds) == reference_spec_generate(model, ref, prompt, 24)
+
+
+def test_traces_equal_the_reference_loop_for_a_drafter_reading_the_last_layer(qwen3, trained_drafter,
+                                                                              hf_model_dir, tmp_path):
+    """The last layer's feature is transformers' hidden_states[L] (after the final norm), as in the
+    official loop: a drafter reading it (the trained one, pointed at layer L-1) drafts the same rounds."""
+    import dataclasses
+
+    from flax import nnx
+
+    drafter, train_prompts = trained_drafter
+    last = qwen3.cfg.num_layers - 1
+    graphdef, state = nnx.split(drafter)
+    drafter_last = nnx.merge(graphdef, state)
+    drafter_last.cfg = dataclasses.replace(drafter.cfg, target_layer_ids=(last,))
+    rj.save_drafter(drafter_last, str(tmp_path))
+    drafter_last = rj.load_drafter(str(tmp_path), qwen3)
+    assert drafter_last.cfg.target_layer_ids == (last,)
+    ref = RefDFlashDraftModel.from_pretrained(str(tmp_path)).eval()
+    model, _ = hf_model_dir("qwen3")
+    prompts = train_prompts[:3]
+    out = rj.generate(qwen3, prompts, max_new_tokens=24, drafter=drafter_last)
+    assert max(max(r) for r in out.acceptance_lengths) > 1  # some rounds accept: the features matter
     for prompt, tokens, rounds in zip(prompts, out.tokens, out.acceptance_lengths):
         assert (tokens, rounds) == reference_spec_generate(model, ref, prompt, 24)
 

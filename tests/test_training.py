@@ -14,7 +14,7 @@ import train
 from retrace_jax.data import (DataError, PrepareSettings, check_prompt_lengths, drop_long, prepare_shards,
                               read_prompts)
 from retrace_jax.trainer import load_config
-from tests.hf_models import make_hf_model, save_hf_model, save_word_tokenizer
+from tests.helpers import make_hf_model, save_hf_model, save_word_tokenizer
 
 PROMPT_LINES = [
     {"conversations": [{"from": "human", "value": "w5 w6 w7 w8"}, {"from": "gpt", "value": "w9"}]},
@@ -216,3 +216,77 @@ def test_feature_cache_gives_the_same_training(workspace, dflash_run):
     assert any(r.get("event") == "feature_cache" for r in _records(out))
     # Same data, anchors and schedule up to the step count: the first steps' losses agree.
     np.testing.assert_allclose([cached[s] for s in (1, 2)], [online[s] for s in (1, 2)], rtol=1e-4)
+
+
+def test_resume_with_other_settings_is_refused_before_anything_is_restored(workspace, dflash_run, monkeypatch):
+    from retrace_jax.checkpointing import Checkpoints
+
+    root, config = workspace
+    monkeypatch.setattr(Checkpoints, "restore", lambda *a, **k: pytest.fail("Orbax restored a checkpoint"))
+    before = sorted(os.listdir(os.path.join(dflash_run[0], "checkpoints")))
+    with pytest.raises(SystemExit) as err:
+        train.main(["--config", config, "--set", f"out={dflash_run[0]}", "--set", "train.objective=retrace",
+                    "--set", "train.lr=1e-3", "--set", "train.num_anchors=5", "--set", "drafter.block_size=5"])
+    message = str(err.value.code)
+    assert message.startswith("error: ") and "\n" not in message and len(message) < 700, message
+    for part in ("objective: 'dflash' then, 'retrace' now", "lr: 0.003 then, 0.001 now", "num_anchors: 6 then, 5 now",
+                 "block_size: 4 then, 5 now"):
+        assert part in message, message
+    assert sorted(os.listdir(os.path.join(dflash_run[0], "checkpoints"))) == before
+
+
+def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(workspace, tmp_path):
+    root, config = workspace
+    out = tmp_path / "diverged"
+    # The first update has learning rate 0 (warm-up); the second one, 1e30, blows the weights up.
+    with pytest.raises(SystemExit) as err:
+        train.main(["--config", config, "--set", f"out={out}", "--set", "train.lr=1e30", "--set", "train.steps=20",
+                    "--set", "train.checkpoint_every=2", "--set", "train.log_every=5", "--set", "data.eval_prompts=4"])
+    message = str(err.value.code)
+    assert message.startswith("error: training diverged at step 3: loss nan") and "\n" not in message, message
+    assert "the last good checkpoint is step 2" in message and "train.lr" in message
+    assert sorted(os.listdir(out / "checkpoints")) == ["2"]
+    assert not (out / "drafter").exists()
+    records = _records(str(out))
+    assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
+
+
+def test_metrics_go_to_tensorboard_when_it_is_installed(dflash_run):
+    pytest.importorskip("tensorboardX")
+    from tensorboardX.proto import event_pb2
+
+    out = dflash_run[0]
+    files = os.listdir(os.path.join(out, "tensorboard"))
+    assert files and all(f.startswith("events.out.tfevents") for f in files)
+    losses, tags = {}, set()
+    for name in files:  # one per run that logged into this directory
+        with open(os.path.join(out, "tensorboard", name), "rb") as f:
+            data = f.read()
+        pos = 0
+        while pos < len(data):  # TFRecord: length, its CRC, the Event, its CRC
+            n = int.from_bytes(data[pos:pos + 8], "little")
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 16 + n
+            for v in event.summary.value:
+                tags.add(v.tag)
+                if v.tag == "train/loss":
+                    losses[event.step] = v.simple_value
+    assert {"train/grad_norm", "train/tau", "train/tokens_per_s", "eval/eval_tau"} <= tags
+    jsonl = {r["step"]: r["loss"] for r in _records(out) if "loss" in r}
+    assert sorted(losses) == sorted(jsonl)
+    np.testing.assert_allclose([losses[s] for s in jsonl], list(jsonl.values()), rtol=1e-6)
+
+
+def test_training_logs_without_tensorboard(tmp_path, monkeypatch):
+    import sys
+
+    from retrace_jax.train_config import ConfigurationError
+    from retrace_jax.train_eval import MetricsLog
+
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # as if it were not installed
+    log = MetricsLog(str(tmp_path), "auto", echo=False)
+    log({"step": 1, "loss": 2.5})
+    log.close()
+    assert _records(str(tmp_path)) == [{"step": 1, "loss": 2.5}] and not (tmp_path / "tensorboard").exists()
+    with pytest.raises(ConfigurationError, match="pip install 'retrace-jax\\[tensorboard\\]'"):
+        MetricsLog(str(tmp_path / "b"), True)

@@ -1,5 +1,6 @@
 """Acceptance and commit arithmetic of a verification round, as properties over any inputs."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings
@@ -9,12 +10,14 @@ from retrace_jax.commit import OutputBuffer, commit
 from retrace_jax.verify import accepted_count, committed_tokens, target_sample_match
 
 VOCAB = 4  # small, so that proposals often agree with the target
+BATCH = 4  # rows are independent; a fixed batch keeps one compiled program per block size
+jit_accepted_count, jit_committed_tokens, jit_commit = (jax.jit(f) for f in (accepted_count, committed_tokens, commit))
 
 
 @st.composite
 def rounds(draw):
     block = draw(st.integers(2, 6))
-    batch = draw(st.integers(1, 4))
+    batch = BATCH
     proposals = draw(st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=block - 1, max_size=block - 1),
                               min_size=batch, max_size=batch))
     choice = draw(st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=block, max_size=block),
@@ -26,8 +29,8 @@ def rounds(draw):
 @given(rounds())
 def test_accepted_count_and_committed_tokens(case):
     proposals, choice = case
-    a = np.asarray(accepted_count(jnp.asarray(proposals), jnp.asarray(choice)))
-    tokens = np.asarray(committed_tokens(jnp.asarray(proposals), jnp.asarray(choice), jnp.asarray(a)))
+    a = np.asarray(jit_accepted_count(proposals, choice))
+    tokens = np.asarray(jit_committed_tokens(proposals, choice, a))
     for b in range(len(proposals)):
         want = 0
         while want < proposals.shape[1] and proposals[b, want] == choice[b, want]:
@@ -46,12 +49,13 @@ def test_round_commit_with_stop_and_limit(case, max_new, stop, already):
     proposals, choice = case
     batch, k = proposals.shape
     already = min(already, max_new - 1)
-    a = accepted_count(jnp.asarray(proposals), jnp.asarray(choice))
-    new = committed_tokens(jnp.asarray(proposals), jnp.asarray(choice), a)
+    a = jit_accepted_count(proposals, choice)
+    new = jit_committed_tokens(proposals, choice, a)
     prior = np.full((batch, 16), 9, np.int32)
     buf = OutputBuffer(jnp.asarray(prior), jnp.full((batch,), already, jnp.int32), jnp.zeros((batch,), bool))
     stops = jnp.asarray([stop if stop < VOCAB else -1], jnp.int32)
-    out = commit(buf, new, a + 1, jnp.int32(max_new), stops)
+    out = jit_commit(buf, new, a + 1, jnp.int32(max_new), stops)
+    a, out_tokens, out_num, out_done = (np.asarray(x) for x in (a, out.tokens, out.num, out.done))
     for b in range(batch):
         assert 1 <= int(a[b]) + 1 <= k + 1
         offered = choice[b, : int(a[b]) + 1].tolist()
@@ -62,8 +66,8 @@ def test_round_commit_with_stop_and_limit(case, max_new, stop, already):
             kept.append(tok)
             if tok == stop:
                 break
-        assert np.asarray(out.tokens[b, already : int(out.num[b])]).tolist() == kept
-        assert bool(out.done[b]) == (stop in kept or already + len(kept) >= max_new)
+        assert out_tokens[b, already : int(out_num[b])].tolist() == kept
+        assert bool(out_done[b]) == (stop in kept or already + len(kept) >= max_new)
 
 
 def test_official_rule_with_certain_target_is_greedy_match():

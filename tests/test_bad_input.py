@@ -1,0 +1,291 @@
+"""Bad input gets a clear error naming the file, field or value; checkpoints are written atomically.
+
+Nothing here compiles a generation: every error is raised before the first program runs."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import decode
+import retrace_jax as rj
+from retrace_jax import assets, hf_io
+from retrace_jax.cli import run_main
+from retrace_jax.data import DataError, read_prompts
+from tests.helpers import copy_model_dir, edit_config, edit_tensors
+
+# ------------------------------------------------------------------------------------ loading checkpoints
+
+
+def _truncate(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
+
+
+def _write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _add_index(directory, index):
+    _write(os.path.join(directory, "model.safetensors.index.json"), json.dumps(index))
+
+
+CHECKPOINT_CASES = {
+    # name: (edit of a copied qwen3 directory, error type, message pattern)
+    "config.json with a JSON syntax error": (
+        lambda d: _write(os.path.join(d, "config.json"), '{"model_type": "qwen3",,}'),
+        rj.ConfigError, r"config\.json is not valid JSON: .* line 1, column"),
+    "config.json holding a list": (
+        lambda d: _write(os.path.join(d, "config.json"), "[1, 2]"),
+        rj.ConfigError, r"config\.json must hold a JSON object, not list"),
+    "config.json with a field of the wrong type": (
+        lambda d: edit_config(d, lambda c: c.update(num_attention_heads="four")),
+        rj.ConfigError, r"config\.json: num_attention_heads must be a positive integer, got 'four'"),
+    "truncated model.safetensors": (
+        lambda d: _truncate(os.path.join(d, "model.safetensors")),
+        rj.CheckpointError, r"model\.safetensors is not a readable safetensors file \(truncated or corrupt\?\)"),
+    "index without weight_map": (
+        lambda d: (os.rename(os.path.join(d, "model.safetensors"), os.path.join(d, "part.safetensors")),
+                   _add_index(d, {"metadata": {}})),
+        rj.CheckpointError, r"model\.safetensors\.index\.json has no 'weight_map'"),
+    "index that is not JSON": (
+        lambda d: (os.rename(os.path.join(d, "model.safetensors"), os.path.join(d, "part.safetensors")),
+                   _write(os.path.join(d, "model.safetensors.index.json"), "{")),
+        rj.CheckpointError, r"model\.safetensors\.index\.json is not valid JSON"),
+    "stale index beside the single file": (
+        lambda d: _add_index(d, {"weight_map": {"model.norm.weight": "old-00001.safetensors"}}),
+        rj.CheckpointError, r"both model\.safetensors and model\.safetensors\.index\.json.*stale"),
+    "NaN in a weight": (
+        lambda d: edit_tensors(d, lambda t: t["model.layers.1.mlp.up_proj.weight"].__setitem__((3, 4), np.nan)),
+        rj.CheckpointError, r"tensor model\.layers\.1\.mlp\.up_proj\.weight in .*model\.safetensors has 1 non-finite"),
+    "inf in the embedding": (
+        lambda d: edit_tensors(d, lambda t: t["model.embed_tokens.weight"].__setitem__((0, slice(None)), np.inf)),
+        rj.CheckpointError, r"tensor model\.embed_tokens\.weight .* has 64 non-finite"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHECKPOINT_CASES))
+def test_bad_target_checkpoint(case, hf_model_dir, tmp_path):
+    edit, error, pattern = CHECKPOINT_CASES[case]
+    directory = copy_model_dir(hf_model_dir("qwen3")[1], tmp_path / "model")
+    edit(directory)
+    with pytest.raises(error, match=pattern):
+        rj.load_target(directory)
+
+
+def test_index_listing_a_tensor_its_shard_lacks(hf_model_dir, tmp_path):
+    directory = copy_model_dir(hf_model_dir("qwen3")[1], tmp_path / "model")
+    os.rename(os.path.join(directory, "model.safetensors"), os.path.join(directory, "part.safetensors"))
+    names = list(load_file(os.path.join(directory, "part.safetensors")))
+    _add_index(directory, {"weight_map": {**{n: "part.safetensors" for n in names}, "lm_head.bias": "part.safetensors"}})
+    with pytest.raises(rj.CheckpointError, match=r"part\.safetensors lacks tensors .*: lm_head\.bias"):
+        rj.load_target(directory)
+
+
+def test_non_finite_weight_is_found_when_reading_shards_onto_a_mesh(hf_model_dir, tmp_path):
+    directory = copy_model_dir(hf_model_dir("qwen3")[1], tmp_path / "model")
+    edit_tensors(directory, lambda t: t["model.norm.weight"].__setitem__(5, -np.inf))
+    with pytest.raises(rj.CheckpointError, match=r"tensor model\.norm\.weight .* 1 non-finite"):
+        rj.load_target(directory, mesh=rj.make_mesh("data=1"))
+
+
+# ------------------------------------------------------------------------------------ drafters: save, load
+
+@pytest.fixture
+def target():
+    return rj.tiny.tiny_target()
+
+
+def _drafter(target, seed=0, **kwargs):
+    return rj.init_drafter(target.cfg, mask_token_id=5, num_layers=1, block_size=4, seed=seed, **kwargs)
+
+
+def _fc(module):
+    return np.asarray(module.fc.kernel[...])
+
+
+def test_drafter_with_nan_weights_is_refused(target, tmp_path):
+    path = str(tmp_path / "d")
+    rj.save_drafter(_drafter(target), path)
+    edit_tensors(path, lambda t: t["layers.0.self_attn.q_norm.weight"].__setitem__(0, np.nan))
+    with pytest.raises(rj.CheckpointError, match=r"tensor layers\.0\.self_attn\.q_norm\.weight .* 1 non-finite"):
+        rj.load_drafter(path, target)
+
+
+def test_save_drafter_failure_leaves_the_old_checkpoint(target, tmp_path, monkeypatch):
+    path = str(tmp_path / "d")
+    old = _drafter(target, seed=0)
+    rj.save_drafter(old, path)
+    before = {f: open(os.path.join(path, f), "rb").read() for f in os.listdir(path)}
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(hf_io, "save_file", fail)  # after config.json is written, before the weights
+    with pytest.raises(OSError, match="simulated"):
+        rj.save_drafter(_drafter(target, seed=1, retrace=rj.ReTraceConfig()), path)
+    assert {f: open(os.path.join(path, f), "rb").read() for f in os.listdir(path)} == before
+    assert os.listdir(tmp_path) == ["d"]  # no temporary directory left behind
+    monkeypatch.undo()
+    np.testing.assert_array_equal(_fc(rj.load_drafter(path, target)), _fc(old))
+
+
+def test_save_drafter_replaces_stale_weights_of_another_layout(target, tmp_path):
+    path = str(tmp_path / "d")
+    rj.save_drafter(_drafter(target, seed=0), path)
+    # an older sharded save of another drafter: its index would shadow the new single file
+    shard = load_file(os.path.join(path, "model.safetensors"))
+    save_file(shard, os.path.join(path, "model-00001-of-00001.safetensors"))
+    _add_index(path, {"weight_map": {n: "model-00001-of-00001.safetensors" for n in shard}})
+    _write(os.path.join(path, "pytorch_model.bin"), "old")
+    _write(os.path.join(path, "tokenizer.json"), "{}")  # not a weight file: kept
+    new = _drafter(target, seed=1)
+    rj.save_drafter(new, path)
+    assert sorted(os.listdir(path)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    np.testing.assert_array_equal(_fc(rj.load_drafter(path, target)), _fc(new))
+    assert sorted(os.listdir(tmp_path)) == ["d"]
+
+
+def test_save_drafter_refuses_what_is_not_a_checkpoint_directory(target, tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="not a directory"):
+        rj.save_drafter(_drafter(target), str(tmp_path / "file"))
+    os.makedirs(tmp_path / "project" / "src")
+    with pytest.raises(ValueError, match=r"holds other things \(src\)"):
+        rj.save_drafter(_drafter(target), str(tmp_path / "project"))
+    assert os.listdir(tmp_path / "project") == ["src"]
+
+
+def test_drafter_config_json_errors_name_the_file(target, tmp_path):
+    path = str(tmp_path / "d")
+    rj.save_drafter(_drafter(target), path)
+    edit_config(path, lambda c: c.update(num_hidden_layers=0))
+    with pytest.raises(rj.ConfigError, match=r"num_hidden_layers 0 < 1"):
+        rj.load_drafter(path, target)
+    _write(os.path.join(path, "config.json"), "{oops")
+    with pytest.raises(rj.ConfigError, match=r"d/config\.json is not valid JSON"):
+        rj.load_drafter(path, target)
+
+
+# ------------------------------------------------------------------------------------ arguments
+
+ARGUMENT_CASES = {
+    "mesh as a string": (dict(mesh="data=1"), TypeError, r"mesh must be a jax\.sharding\.Mesh .*got str 'data=1'"),
+    "stop_token_ids as an int": (dict(stop_token_ids=5), TypeError, r"stop_token_ids must be a list .*; write \[5\]"),
+    "stop_token_ids holding strings": (dict(stop_token_ids=["</s>"]), TypeError, r"stop_token_ids must hold integer"),
+    "a flat list of ints as the prompts": (dict(prompts=[1, 2, 3]), TypeError,
+                                           r"prompts must be a list of token-id lists.*pass \[ids\]"),
+    "an empty prompt list": (dict(prompts=[]), ValueError, r"prompts must be a non-empty list"),
+    "prompts as None": (dict(prompts=None), ValueError, r"prompts must be a non-empty list"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ARGUMENT_CASES))
+def test_bad_generate_arguments(case, target):
+    kwargs, error, pattern = ARGUMENT_CASES[case]
+    kwargs = {"prompts": [[1, 2, 3]], **kwargs}
+    with pytest.raises(error, match=pattern):
+        rj.generate(target, max_new_tokens=4, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(num_layers=0), r"num_layers must be an integer >= 1, got 0"),
+    (dict(num_layers=1.5), r"num_layers must be an integer >= 1, got 1\.5"),
+    (dict(block_size=1), r"block_size must be an integer >= 2, got 1"),
+    (dict(mask_token_id=512), r"mask_token_id must be a token id in \[0, 512\), got 512"),
+])
+def test_bad_init_drafter_arguments(kwargs, pattern, target):
+    kwargs = {"mask_token_id": 5, "num_layers": 1, "block_size": 4, **kwargs}
+    with pytest.raises(ValueError, match=pattern):
+        rj.init_drafter(target.cfg, **kwargs)
+
+
+# ------------------------------------------------------------------------------------ prompt files
+
+JSONL_CASES = {
+    "a message without content": ({"messages": [{"role": "user"}]}, r"messages\[0\] has no 'content'"),
+    "empty turns": ({"turns": []}, r"'turns' must be a non-empty list of strings, got \[\]"),
+    "conversations given as a string": ({"conversations": "hi"},
+                                        r"'conversations' must be a non-empty list of messages, got 'hi'"),
+    "a conversation turn that is not an object": ({"conversations": ["hi"]}, r"conversations\[0\] must be an object"),
+    "a ShareGPT turn without value": ({"conversations": [{"from": "human"}]}, r"conversations\[0\] has no 'value'"),
+    "a prompt that is not a string": ({"prompt": 5}, r"record\.prompt must be a string, got 5"),
+    "turns holding a number": ({"turns": [7]}, r"record\.turns\[0\] must be a string, got 7"),
+    "an empty first user message": ({"messages": [{"role": "user", "content": " "}]},
+                                    r"the first user message \(messages\[0\]\.content\) is empty"),
+    "no user message": ({"messages": [{"role": "system", "content": "s"}]}, r"no user message"),
+    "an unknown record": ({"text": "hi"}, r"a record needs 'messages', 'conversations', 'prompt' or 'turns'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(JSONL_CASES))
+def test_bad_jsonl_record_names_file_and_line(case, tmp_path):
+    record, pattern = JSONL_CASES[case]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "fine"}) + "\n\n" + json.dumps(record) + "\n")
+    with pytest.raises(DataError, match=rf"prompts\.jsonl:3: {pattern}"):
+        read_prompts(str(path))
+
+
+def test_messages_after_the_first_user_turn_are_not_checked(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt"}]}) + "\n")
+    assert read_prompts(str(path)) == [[{"role": "user", "content": "q"}]]
+
+
+# ------------------------------------------------------------------------------------ assets, command lines
+
+@pytest.mark.parametrize("call, pattern", [
+    (lambda: assets.fetch("gpt-5"), r"unknown model 'gpt-5'; available: smollm2-135m-instruct"),
+    (lambda: assets.fetch_dataset("mmlu"), r"unknown dataset 'mmlu'; available: sharegpt, humaneval"),
+    (lambda: assets.shipped_drafter("qwen2.5-coder-0.5b-instruct"), r"no drafter shipped for"),
+])
+def test_assets_raise_value_error_not_system_exit(call, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        call()
+
+
+def test_fetch_assets_prints_one_line(monkeypatch, capsys):
+    def fail(name, cache):
+        raise ValueError(f"[{name}] sha256 mismatch: got 0, expected 1")
+
+    monkeypatch.setattr(assets, "fetch", fail)
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(assets.main, ["smollm2-135m-instruct"])
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err == "error: [smollm2-135m-instruct] sha256 mismatch: got 0, expected 1\n"
+
+
+@pytest.mark.parametrize("argv, pattern", [
+    (["--target", "/nonexistent/model"], "error: model directory not found: /nonexistent/model"),
+    (["--drafter", "somewhere"], "error: --drafter needs --target (the model it was trained for)"),
+    (["--target", "tiny", "--runs", "0"], "error: --runs must be at least 1, got 0"),
+    (["--target", "tiny", "--mesh", "model=2"], "error: unknown mesh axis 'model'"),
+])
+def test_decode_prints_one_line_and_exits_1(argv, pattern, capsys, monkeypatch):
+    monkeypatch.setenv("RETRACE_JAX_CACHE_DIR", "")
+    monkeypatch.delenv("RETRACE_JAX_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        decode.main(argv)
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith(pattern) and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_decode_bad_checkpoint_is_one_line(hf_model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RETRACE_JAX_CACHE_DIR", "")
+    directory = copy_model_dir(hf_model_dir("qwen3")[1], tmp_path / "model")
+    _truncate(os.path.join(directory, "model.safetensors"))
+    with pytest.raises(SystemExit) as exit_info:
+        decode.main(["--target", directory])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "model.safetensors is not a readable safetensors file" in err
+    assert err.count("\n") == 1
+    shutil.rmtree(directory)

@@ -1,0 +1,24 @@
+"""The accelerator check runs end to end on tiny shapes (``--smoke``) and writes its table and JSON."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_device_check_smoke(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "device_check.py"), "--smoke",
+                           "--out-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.load(open(tmp_path / "device_check.json"))["rows"]
+    whats = {r["what"] for r in rows}
+    assert {"plain decode step", "speculative round", "prefill"} <= whats
+    assert any(w.startswith("verify pass") for w in whats)
+    assert all(float(r["max_abs_err"]) < 1e-4 for r in rows if "max_abs_err" in r)
+    assert (tmp_path / "device_check.md").read_text().count("|") > 20

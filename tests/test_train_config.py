@@ -1,0 +1,133 @@
+"""The typed training configuration: every shipped config loads, overrides keep their types, and bad
+values are refused up front with the key named (they used to fail only inside traced code)."""
+
+import glob
+import os
+import warnings
+
+import pytest
+import yaml
+
+import train
+from retrace_jax import trainer
+from retrace_jax.train_config import ConfigurationError, TrainConfig, describe, load_config
+from retrace_jax.train_step import StepOptions, adamw
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture()
+def config(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"target": "tiny", "out": str(tmp_path / "out"), "train": {"steps": 5}}))
+    return str(path)
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))))
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, TrainConfig) and cfg.train.steps >= 1
+    assert cfg["train"]["lr"] == cfg.train.lr  # the dict-style reads of earlier versions still work
+
+
+def test_overrides_are_typed(config):
+    cfg = load_config(config, ["train.lr=1e-3", "train.steps=7", "drafter.target_layer_ids=[1, 2]",
+                               "train.mesh=data=2,tensor=2", "train.remat=true"])
+    assert cfg.train.lr == 1e-3 and isinstance(cfg.train.lr, float)
+    assert cfg.train.steps == 7 and cfg.drafter.target_layer_ids == [1, 2]
+    assert cfg.train.mesh == "data=2,tensor=2" and cfg.train.remat is True
+    assert load_config(config, ["train.lr=1"]).train.lr == 1.0  # an int where a float is expected
+    assert trainer.load_config is load_config and trainer.DEFAULTS["train"]["steps"] == 100
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.clip=0", "train.clip must be a positive number"),
+    ("train.lr=0", "train.lr must be a positive number, got 0.0"),
+    ("train.lr=-1e-4", "train.lr must be a positive number"),
+    ("train.lr=.nan", "train.lr must be a positive number"),
+    ("train.remat=yes please", "train.remat must be true or false, got 'yes please'"),
+    ("train.remat=1", "train.remat must be true or false, got 1"),
+    ("train.gamma=0", "train.gamma must be a positive number or null"),
+    ("train.gamma=fast", "train.gamma must be a positive number or null, got 'fast'"),
+    ("train.correction_source=oracle", "train.correction_source must be verify or teacher, got 'oracle'"),
+    ("train.objective=eagle", "train.objective must be dflash or retrace"),
+    ("train.memory_dtype=int8", "train.memory_dtype must be"),
+    ("train.mesh=model=4", "train.mesh entries look like"),
+    ("train.steps=0", "train.steps must be a positive integer"),
+    ("train.warmup_frac=1.5", "train.warmup_frac must lie in [0, 1)"),
+    ("train.tensorboard=maybe", "train.tensorboard must be true, false or auto"),
+    ("drafter.block_size=1", "drafter.block_size must be an integer >= 2"),
+    ("drafter.target_layer_ids=[1, x]", "drafter.target_layer_ids must be"),
+    ("retrace.signals=all", "retrace.signals must be one of"),
+    ("data.temperature=-1", "data.temperature must be >= 0"),
+    ("train.nope=1", "unknown config key 'train.nope'"),
+    ("train=3", "config key 'train' must be a mapping"),
+])
+def test_bad_values_are_refused_up_front(config, override, message):
+    with pytest.raises(ConfigurationError) as err:
+        load_config(config, [override])
+    assert message in str(err.value)
+    with pytest.raises(SystemExit) as exit_:  # train.py: one line, non-zero, before touching anything
+        train.main(["--config", config, "--set", override])
+    text = str(exit_.value.code)
+    assert text.startswith("error: ") and message in text and "\n" not in text
+
+
+def test_all_problems_are_reported_together(config):
+    with pytest.raises(ConfigurationError) as err:
+        load_config(config, ["train.clip=0", "train.lr=0"])
+    assert "train.lr" in str(err.value) and "train.clip" in str(err.value)
+
+
+def test_step_options_and_optimizer_check_their_arguments():
+    with pytest.raises(ValueError, match="correction_source"):
+        StepOptions(objective="retrace", correction_source="x")
+    with pytest.raises(ValueError, match="gamma"):
+        StepOptions(gamma=-1.0)
+    with pytest.raises(ValueError, match="remat"):
+        StepOptions(remat="yes")
+    with pytest.raises(ValueError, match="clip"):
+        adamw(1e-3, 10, clip=0.0)
+    with pytest.raises(ValueError, match="lr"):
+        adamw(0.0, 10)
+
+
+def test_describe_lists_every_key():
+    text = describe()
+    cfg = TrainConfig().to_dict()
+    for section, keys in cfg.items():
+        if isinstance(keys, dict):
+            for key in keys:
+                assert f"  {key}: " in text, key
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert train.main(["--describe"]) is None
+
+
+def test_a_renamed_key_keeps_working(config, monkeypatch):
+    from retrace_jax.train_config import TrainSection
+
+    monkeypatch.setattr(TrainSection, "RENAMED", {"learning_rate": "lr"})
+    with pytest.warns(DeprecationWarning, match="'train.learning_rate' is now 'train.lr'"):
+        cfg = load_config(config, ["train.learning_rate=2e-3"])
+    assert cfg.train.lr == 2e-3
+
+
+def test_multi_process_launches_are_detected(monkeypatch):
+    from retrace_jax import distributed
+
+    for key in ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE",
+                "TPU_WORKER_HOSTNAMES"):
+        monkeypatch.delenv(key, raising=False)
+    assert not distributed.launch_detected()
+    assert distributed.initialize("auto") is False and distributed.initialize(False) is False
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert not distributed.launch_detected()
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert distributed.launch_detected()
+    monkeypatch.delenv("SLURM_NTASKS")
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
+    assert distributed.launch_detected()
+    monkeypatch.setenv("JAX_PROCESS_ID", "first")
+    with pytest.raises(ValueError, match="JAX_PROCESS_ID must be an integer, got 'first'"):
+        distributed.initialize("auto")
