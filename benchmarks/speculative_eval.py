@@ -8,7 +8,8 @@ of docs/results.md; prompts that no training step saw).
     --sampled-methods B,C,C-off --speed-temperatures 0,1 --out runs/smollm2_eval.json --plot docs/acceptance_lengths.png
 
 Datasets: the six Spec-Bench groups (MT-Bench's 80 questions, first turn, as one group; translation,
-summarization, qa, math_reasoning, rag) and HumanEval (``scripts/fetch_assets.py humaneval``), with
+summarization, qa, math_reasoning, rag; vendored in ``benchmarks/data``) and HumanEval
+(``scripts/fetch_assets.py humaneval``), with
 ``--per-dataset`` prompts spread evenly over each file. Prompts longer than ``--max-prompt-len`` tokens
 are skipped (and counted), never cut.
 
