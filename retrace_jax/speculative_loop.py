@@ -23,6 +23,7 @@ from flax import nnx, struct
 
 from retrace_jax.commit import OutputBuffer, commit
 from retrace_jax.kv_cache import KVCache
+from retrace_jax.plain_loop import StepConstants
 from retrace_jax.retrace import Memory, shift_memory
 from retrace_jax.sampling import SamplingMode, SamplingParams, row_keys, step_keys
 from retrace_jax.target import merge_target, prefill
@@ -41,17 +42,11 @@ class SpecCarry:
 
 
 @struct.dataclass
-class RoundConstants:
-    """What every round reads and none changes; the static fields shape the compiled program."""
+class RoundConstants(StepConstants):
+    """What every round reads and none changes (plain decoding's constants plus the block size); the
+    static fields shape the compiled program."""
 
-    keys_b: jax.Array  # [B, 2] each row's random stream
-    max_new: jax.Array  # int32 scalar
-    stop_ids: jax.Array  # [N] int32, padded with -1
-    sampling: SamplingParams
     block_size: int = struct.field(pytree_node=False, default=16)
-    mode: SamplingMode = struct.field(pytree_node=False, default=SamplingMode())
-    mesh: object = struct.field(pytree_node=False, default=None)
-    attention: str = struct.field(pytree_node=False, default="auto")  # see retrace_jax/attention.py
 
 
 class RoundInfo(NamedTuple):
