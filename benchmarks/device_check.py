@@ -52,16 +52,6 @@ def block(x):
     return jax.block_until_ready(x)
 
 
-def median_ms(fn, n: int) -> float:
-    block(fn())
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        block(fn())
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
-
-
 def compile_s(fn) -> float:
     start = time.perf_counter()
     block(fn())
@@ -110,7 +100,7 @@ def decode_rows(name, target, drafter, block_size, batches, context, steps, dtyp
     verify = jax.jit(lambda s, c, b: nnx.merge(tdef, s)(b, c, feature_layers=ids).hidden)
     blk = jnp.ones((1, block_size), jnp.int32)
     c_verify = compile_s(lambda: verify(tstate, cache, blk))
-    verify_ms = median_ms(lambda: verify(tstate, cache, blk), steps)
+    verify_ms = median_ms_from(lambda _: verify(tstate, cache, blk), (), steps)
     stepper = SpeculativeStepper(target, drafter, capacity=4 * steps + 64, block_size=block_size)
     tokens = jnp.ones((1, context), jnp.int32)
     c_round = compile_s(lambda: stepper.init(tokens, jnp.full((1,), context, jnp.int32), jnp.ones((1,), bool),
@@ -142,7 +132,7 @@ def prefill_rows(name, target, lengths, repeats):
                                           nnx.merge(tdef, s).init_cache(1, length))[0])
         tokens = jnp.ones((1, length), jnp.int32)
         c = compile_s(lambda: fn(tstate, tokens))
-        ms = median_ms(lambda: fn(tstate, tokens), repeats)
+        ms = median_ms_from(lambda _: fn(tstate, tokens), (), repeats)
         rows.append({"model": name, "what": "prefill", "batch": 1, "context": length, "ms": round(ms, 1),
                      "tokens_per_s": round(1e3 * length / ms), "compile_s": round(c, 1)})
     return rows

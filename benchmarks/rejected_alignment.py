@@ -200,7 +200,7 @@ def main(argv=None):
         plain = [rj.generate(target, b, args.max_new_tokens, stop_token_ids=stops).tokens for b in batches]
     for method, (drafter, use_retrace) in methods.items():
         start = time.perf_counter()
-        tallies, taus, mismatches = [], [], 0
+        tallies, mismatches = [], 0
         for j, batch in enumerate(batches):
             tally, tokens = measure(target, drafter, batch, args.max_new_tokens, stop_token_ids=stops,
                                     use_retrace=use_retrace)

@@ -10,7 +10,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import struct
 
 from retrace_jax.commit import OutputBuffer, commit
 from retrace_jax.kv_cache import KVCache

@@ -1,7 +1,6 @@
 """The chunked attention (online softmax over cache chunks, query chunks for prefill) against the dense
 reference, and the in-place cache writes."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
