@@ -27,7 +27,9 @@ class KVCache:
         """A cache with room for at least ``max_len`` positions per row (rounded up to whole attention
         chunks: see :func:`~retrace_jax.attention.cache_slots`)."""
         shape = (num_layers, batch, cache_slots(max_len), kv_heads, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+        # Two different constants (0.0 and -0.0; both read as zero): identical broadcasts would be merged
+        # by XLA into one buffer, which then needs a full copy per cache before the in-place writes.
+        return cls(jnp.zeros(shape, dtype), jnp.full(shape, -0.0, dtype), jnp.zeros((batch,), jnp.int32))
 
     @property
     def max_len(self) -> int:

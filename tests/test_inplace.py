@@ -1,5 +1,6 @@
 """The decode loops update their KV caches in place: the compiled while-loop bodies hold no copy or
-transpose of a cache-sized buffer (read from the optimised HLO, after XLA's copy insertion)."""
+transpose of a cache-sized buffer, and the whole program holds no copy of a whole cache (read from the
+optimised HLO, after XLA's copy insertion)."""
 
 import re
 
@@ -51,11 +52,24 @@ def loop_copies(hlo: str, min_elements: int) -> list[str]:
     return found
 
 
+def whole_copies(hlo: str, shape: tuple[int, ...]) -> list[str]:
+    """Copy instructions anywhere in the program whose result has exactly ``shape`` (a whole cache: for
+    example the one zero buffer that XLA makes for two identical caches, then copies for each)."""
+    dims = ",".join(map(str, shape))
+    return [line.strip() for line in hlo.splitlines() if re.search(rf"= \w+\[{dims}\]\{{[^}}]*\}} copy\(", line)]
+
+
 def _inputs():
     target = tiny_target()
     tokens = np.zeros((2, 16), np.int32)
     return target, (tokens, np.asarray([5, 9], np.int32), np.ones((2,), bool), np.int32(32),
                     np.full((8,), -1, np.int32), SamplingParams.make())
+
+
+def _cache_shape(cfg, batch, slots):
+    from retrace_jax.attention import cache_slots
+
+    return (cfg.num_layers, batch, cache_slots(slots), cfg.num_kv_heads, cfg.head_dim)
 
 
 def _one_layer_of_cache(cfg, batch, slots):
@@ -68,6 +82,7 @@ def test_plain_loop_updates_cache_in_place(layer_loop):
     graphdef, state = nnx.split(target)
     hlo = plain_generate.lower(graphdef, state, *args, capacity=512, layer_loop=layer_loop).compile().as_text()
     copies = loop_copies(hlo, _one_layer_of_cache(target.cfg, 2, 16 + 512))
+    copies += whole_copies(hlo, _cache_shape(target.cfg, 2, 16 + 512))
     assert not copies, "\n".join(copies)
 
 
@@ -79,6 +94,8 @@ def test_speculative_loop_updates_both_caches_in_place(layer_loop):
     hlo = speculative_generate.lower(tdef, tstate, ddef, dstate, *args, capacity=512, block_size=8,
                                      layer_loop=layer_loop).compile().as_text()
     copies = loop_copies(hlo, _one_layer_of_cache(target.cfg, 2, 16 + 512 + 8))
+    copies += whole_copies(hlo, _cache_shape(target.cfg, 2, 16 + 512 + 8))
+    copies += whole_copies(hlo, _cache_shape(drafter.cfg, 2, 16 + 512 + 8))
     assert not copies, "\n".join(copies)
 
 
@@ -92,3 +109,16 @@ def test_detector_finds_a_copy():
 
     hlo = jax.jit(loop).lower(jnp.zeros((64, 64))).compile().as_text()
     assert loop_copies(hlo, 64 * 64)
+
+
+def test_detector_finds_a_shared_zero_buffer():
+    """Two identical zero caches, each updated in place, become one broadcast and two copies."""
+    import jax
+    import jax.numpy as jnp
+
+    def two(x, i):
+        a, b = jnp.zeros((4, 512, 64)), jnp.zeros((4, 512, 64))
+        return a.at[0, i].set(x), b.at[1, i].set(x)
+
+    hlo = jax.jit(two).lower(jnp.ones((64,)), 3).compile().as_text()
+    assert whole_copies(hlo, (4, 512, 64))
