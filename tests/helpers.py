@@ -163,3 +163,21 @@ def count_compiles():
         yield names
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def built_once(tmp_path_factory, name: str, build) -> "os.PathLike":
+    """A directory that ``build(path)`` fills once per test run, shared by pytest-xdist's worker
+    processes: the first to ask builds it under a file lock, the others wait for it and read it."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's directory, above each worker's own
+    path = root / name
+    with FileLock(str(path) + ".lock"):
+        if not (path / ".complete").exists():
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir(parents=True)
+            build(path)
+            (path / ".complete").touch()
+    return path

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(HERE)
 
 
 def _run_with_devices(script, tmp_path, devices=8, args=()):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, os.path.join(HERE, script), str(tmp_path), *args], env=env,
                           capture_output=True, text=True, timeout=900)
