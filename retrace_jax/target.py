@@ -83,8 +83,10 @@ class TargetModel(nnx.Module):
                                                 for i in range(self.cfg.num_layers)])
         return self
 
-    def run_layers(self, x_btd, positions_bt, attend_at, carry, feature_layers: Sequence[int] = ()):
-        """Runs the stacked blocks with one ``lax.scan`` (or a Python loop after :meth:`unroll_layers`).
+    def run_layers(self, x_btd, positions_bt, attend_at, carry, feature_layers: Sequence[int] = (),
+                   scan_layers: bool = False):
+        """Runs the stacked blocks with one ``lax.scan`` (or a Python loop after :meth:`unroll_layers`,
+        unless ``scan_layers``).
 
         ``attend_at(layer, carry)`` returns the block's ``attend`` function for that layer (``layer`` is
         traced); its ``aux`` output is the next ``carry`` (the KV cache, or None). Returns the last
@@ -108,7 +110,7 @@ class TargetModel(nnx.Module):
                 feats = jax.lax.dynamic_update_index_in_dim(feats, x, slot_of[layer], 0)
             return (x, carry, feats), None
 
-        per_layer = getattr(self, "_per_layer", None)
+        per_layer = None if scan_layers else getattr(self, "_per_layer", None)
         if per_layer is None:
             (x, carry, feats), _ = jax.lax.scan(body, (x_btd, carry, feats), (params, jnp.arange(num_layers)))
         else:  # separate arrays per layer (see unroll_layers): a Python loop, no weight slicing per call
@@ -123,13 +125,14 @@ class TargetModel(nnx.Module):
         return hidden, carry, jnp.concatenate(features, -1)
 
     def __call__(self, tokens_bt, cache: KVCache, *, feature_layers: Sequence[int] = (),
-                 attention: str = "auto") -> ForwardOutput:
+                 attention: str = "auto", scan_layers: bool = False) -> ForwardOutput:
         """Runs ``T`` new tokens per row at positions ``cache.lengths[b] + 0..T-1``.
 
         Each layer writes the new keys/values at those slots, then each query attends to the slots up to
         and including its own position: entries past a row's length are stale until overwritten here
         and are never read. ``feature_layers`` (static) selects layers whose features are returned
-        concatenated; ``attention`` picks the implementation (see ``retrace_jax/attention.py``)."""
+        concatenated; ``attention`` picks the implementation (see ``retrace_jax/attention.py``);
+        ``scan_layers`` runs the layers as one scan even after :meth:`unroll_layers`."""
         t = tokens_bt.shape[1]
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
         offsets = cache.lengths
@@ -141,7 +144,8 @@ class TargetModel(nnx.Module):
 
             return attend
 
-        hidden, cache, features = self.run_layers(self.embed(tokens_bt), positions, attend_at, cache, feature_layers)
+        hidden, cache, features = self.run_layers(self.embed(tokens_bt), positions, attend_at, cache, feature_layers,
+                                                  scan_layers)
         return ForwardOutput(hidden, cache.replace(lengths=cache.lengths + t), features)
 
 
@@ -183,7 +187,12 @@ def forward_beside_context(model: TargetModel, tokens_bt, positions_bt, ctx: KVC
 
 def prefill(model: TargetModel, tokens_bp, prompt_lens_b, cache: KVCache, feature_layers=(), attention="auto"):
     """Runs right-padded prompts; returns the logits at each row's last prompt token, the cache with
-    lengths set to the prompt lengths, and the features of all prompt positions (or None)."""
-    out = model(tokens_bp, cache, feature_layers=feature_layers, attention=attention)
+    lengths set to the prompt lengths, and the features of all prompt positions (or None).
+
+    The layers always run as one ``lax.scan`` here, also in an unrolled program: the prefill runs once
+    per call, so slicing each layer's weights inside the scan costs one copy of the weights per call,
+    which is small next to a prompt's compute, and the program compiles the prefill's layer once instead
+    of once per layer (the decode steps, which run the weights once per token, stay unrolled)."""
+    out = model(tokens_bp, cache, feature_layers=feature_layers, attention=attention, scan_layers=True)
     last_bd = jnp.take_along_axis(out.hidden, (prompt_lens_b - 1)[:, None, None], axis=1)[:, 0]
     return model.logits(last_bd), out.cache.replace(lengths=prompt_lens_b), out.features
