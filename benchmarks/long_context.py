@@ -33,13 +33,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
 from benchmarks.report import median_ms_from  # noqa: E402
-from retrace_jax.plain_loop import plain_init, plain_step  # noqa: E402
+from retrace_jax.plain_loop import PlainStepper  # noqa: E402
 from retrace_jax.sampling import SamplingParams  # noqa: E402
 from retrace_jax.speculative_loop import SpeculativeStepper  # noqa: E402
 from retrace_jax.tiny import TINY_QWEN3, tiny_target  # noqa: E402
@@ -109,27 +108,30 @@ def buffer_section(args, target, drafter):
 
 def filled_section(args, target, drafter):
     """One plain step and one speculative round timed alone (the library's ``plain_step`` and
-    ``speculative_round``, jitted with the carry donated as in the loop) on caches of ``filled_buffer``
+    ``speculative_round`` through ``PlainStepper`` and ``SpeculativeStepper``: jitted with the carry
+    donated as in the loop, with the layer loop that ``generate`` uses) on caches of ``filled_buffer``
     slots holding ``filled`` positions, each call started from a copy of the same state."""
-    tdef, tstate = nnx.split(target)
     sampling, stops = SamplingParams.make(), jnp.full((8,), -1, jnp.int32)
-    step = jax.jit(lambda s, consts, c: plain_step(nnx.merge(tdef, s), consts, c), donate_argnums=2)
     rows = []
     for filled in args.filled:
         tokens = jnp.asarray(np.random.default_rng(filled).integers(1, target.cfg.vocab_size - 2, (1, filled)),
                              jnp.int32)
         lens, live = jnp.full((1,), filled, jnp.int32), jnp.ones((1,), bool)
         capacity = args.filled_buffer - filled - 8
-        consts, carry = jax.jit(lambda s: plain_init(nnx.merge(tdef, s), tokens, lens, live, 10**6, stops, sampling,
-                                                     capacity=capacity))(tstate)
+        plain = PlainStepper(target, capacity=capacity)
+        carry = plain.init(tokens, lens, live, 10**6, stops, sampling)
         stepper = SpeculativeStepper(target, drafter, capacity=capacity, block_size=8)
         first = stepper.init(tokens, lens, live, 10**6, stops, sampling)
+
+        def one_step(state):
+            plain.carry = state
+            return plain.step().last_b
 
         def one_round(state):
             stepper.carry = state
             return stepper.step().accepted_b
 
-        ms_step = median_ms_from(lambda c: step(tstate, consts, c), carry, args.steps)
+        ms_step = median_ms_from(one_step, carry, args.steps)
         ms_round = median_ms_from(one_round, first, args.steps)
         rows.append({"section": "filled", "buffer_slots": first.target_cache.max_len, "filled": filled,
                      "plain_step_ms": round(ms_step, 3), "speculative_round_ms": round(ms_round, 3)})

@@ -1,6 +1,7 @@
 """Per-round latency of speculative decoding against one plain decode step (batch 1, after compilation):
-the library's own ``plain_step`` and ``speculative_round`` (through ``SpeculativeStepper``), jitted one at a
-time, and inside them the drafter's block and the target's verification pass alone.
+the library's own ``plain_step`` and ``speculative_round`` (through ``PlainStepper`` and
+``SpeculativeStepper``, with the layer loop that ``generate`` uses), jitted one at a time, and inside them
+the drafter's block and the target's verification pass alone.
 
     python benchmarks/round_latency.py                          # the tiny target (d=128)
     python benchmarks/round_latency.py --width 1024 --layers 8 --vocab 32768
@@ -30,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import retrace_jax as rj  # noqa: E402
 from benchmarks.device_check import PRESETS  # noqa: E402  (Qwen3-4B/8B shapes, published drafter)
 from benchmarks.report import median_ms_from, report  # noqa: E402
-from retrace_jax.plain_loop import plain_init, plain_step  # noqa: E402
+from retrace_jax.plain_loop import PlainStepper  # noqa: E402
 from retrace_jax.sampling import SamplingParams  # noqa: E402
 from retrace_jax.speculative_loop import SpeculativeStepper, draft_block  # noqa: E402
 from retrace_jax.tiny import TINY_QWEN3, tiny_target  # noqa: E402
@@ -104,15 +105,18 @@ def main():
     lens, live = jnp.full((1,), args.context, jnp.int32), jnp.ones((1,), bool)
 
     # the library's own step and round functions, jitted one at a time
-    plain_consts, plain_carry = jax.jit(lambda s: plain_init(nnx.merge(tdef, s), tokens, lens, live, 10**6, stops,
-                                                             sampling, capacity=2 * k + 16))(tstate)
-    step = jax.jit(lambda s, consts, c: plain_step(nnx.merge(tdef, s), consts, c), donate_argnums=2)
+    plain = PlainStepper(target, capacity=2 * k + 16)
+    plain_carry = plain.init(tokens, lens, live, 10**6, stops, sampling)
     stepper = SpeculativeStepper(target, drafter, capacity=2 * k + 16, block_size=k)
     first = stepper.init(tokens, lens, live, 10**6, stops, sampling)
 
     def one_round(state):
         stepper.carry = state
         return stepper.step().accepted_b
+
+    def one_step(state):
+        plain.carry = state
+        return plain.step().last_b
 
     @jax.jit
     def verify(ts, cache, block):
@@ -124,7 +128,7 @@ def main():
         return jnp.argmax(m.logits(draft_block(m, d, anchor, cache, k)[:, 1:]), -1)
 
     ms = {
-        "plain_step_ms": median_ms_from(lambda c: step(tstate, plain_consts, c), plain_carry, args.iters),
+        "plain_step_ms": median_ms_from(one_step, plain_carry, args.iters),
         "draft_ms": timed(lambda: draft(tstate, dstate, first.draft_cache, first.anchor_b), n=args.iters),
         "verify_ms": timed(lambda: verify(tstate, first.target_cache, jnp.zeros((1, k), jnp.int32)), n=args.iters),
         "round_ms": median_ms_from(one_round, first, args.iters),

@@ -1,7 +1,7 @@
 """Plain autoregressive decoding as one program: prefill, then a ``lax.while_loop`` of one-token steps.
 
 The step is a pure function :func:`plain_step` ``(model, constants, carry) -> carry``; the compiled loop
-calls it, and benchmarks time it alone.
+calls it, and :class:`PlainStepper` calls it one jitted step at a time (benchmarks time it alone).
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import struct
+from flax import nnx, struct
 
 from retrace_jax.commit import OutputBuffer, commit
 from retrace_jax.kv_cache import KVCache
 from retrace_jax.sampling import SamplingMode, SamplingParams, row_keys, step_keys
-from retrace_jax.target import merge_target, prefill
+from retrace_jax.target import layer_slices_for, merge_target, prefill
 
 
 @struct.dataclass
@@ -76,3 +76,34 @@ def plain_generate(graphdef, state, tokens_bp, prompt_lens_b, live_b, max_new, s
                               capacity=capacity, mode=mode, mesh=mesh, cache_dtype=cache_dtype, attention=attention)
     final = jax.lax.while_loop(lambda c: ~jnp.all(c.buf.done), lambda c: plain_step(model, consts, c), init)
     return final.buf
+
+
+class PlainStepper:
+    """The plain program one jitted step per Python call, with the layer loop ``generate`` would use
+    (unrolled on CPU: the per-layer weights are sliced once, here): ``init`` runs the prefill, ``step``
+    one token for every row. For benchmarks and debugging; the tokens are those of
+    :func:`plain_generate`."""
+
+    def __init__(self, target, layer_loop: str = "auto", **static):
+        self._def, self._state = nnx.split(target)
+        self._layer_loop = layer_loop
+        self._slices = layer_slices_for(self._def, self._state, layer_loop)
+        self.consts = self.carry = None
+
+        def init(state, slices, *args):
+            return plain_init(merge_target(self._def, state, layer_loop, slices), *args, **static)
+
+        def step(state, slices, consts, carry):
+            return plain_step(merge_target(self._def, state, layer_loop, slices), consts, carry)
+
+        self._init, self._step = jax.jit(init), jax.jit(step, donate_argnums=3)  # the carry is updated in place
+
+    def init(self, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampling: SamplingParams) -> PlainCarry:
+        self.consts, self.carry = self._init(self._state, self._slices, tokens_bp, prompt_lens_b, live_b, max_new,
+                                             stop_ids, sampling)
+        return self.carry
+
+    def step(self) -> PlainCarry:
+        """One token per row; the previous carry is donated (keep a copy to run a step again)."""
+        self.carry = self._step(self._state, self._slices, self.consts, self.carry)
+        return self.carry

@@ -26,7 +26,7 @@ from retrace_jax.kv_cache import KVCache
 from retrace_jax.plain_loop import StepConstants
 from retrace_jax.retrace import Memory, shift_memory
 from retrace_jax.sampling import SamplingMode, SamplingParams, row_keys, step_keys
-from retrace_jax.target import merge_target, prefill
+from retrace_jax.target import layer_slices_for, merge_target, prefill
 from retrace_jax.verify import accepted_count, committed_tokens, rejection_sample, target_sample_match
 
 
@@ -193,35 +193,39 @@ def speculative_generate(target_def, target_state, drafter_def, drafter_state, t
 class SpeculativeStepper:
     """The same program, one jitted round per Python call: ``init`` runs the prefill, ``step`` one round
     and returns its :class:`RoundInfo`; ``done`` says when every row has finished. The rounds are
-    exactly those of :func:`speculative_generate` (same function), so the outputs are identical."""
+    exactly those of :func:`speculative_generate` (same function), so the outputs are identical.
+
+    With the unrolled layer loop (the CPU default) the target's per-layer weights are sliced once, here,
+    and kept beside the stacked ones (a second copy of the target's layers) instead of at every call."""
 
     def __init__(self, target, drafter, layer_loop: str = "auto", **static):
         self._layer_loop = layer_loop
         self._defs = (nnx.graphdef(target), nnx.graphdef(drafter))
         self._states = (nnx.state(target), nnx.state(drafter))
+        self._slices = layer_slices_for(self._defs[0], self._states[0], layer_loop)
         self._static = static
         self.consts = self.carry = None
 
-        def init(states, *args):
-            return speculative_init(self._models(states), *args, **static)
+        def init(states, slices, *args):
+            return speculative_init(self._models(states, slices), *args, **static)
 
-        def step(states, consts, carry):
-            return speculative_round(self._models(states), consts, carry)
+        def step(states, slices, consts, carry):
+            return speculative_round(self._models(states, slices), consts, carry)
 
-        self._init, self._step = jax.jit(init), jax.jit(step, donate_argnums=2)  # the carry is updated in place
+        self._init, self._step = jax.jit(init), jax.jit(step, donate_argnums=3)  # the carry is updated in place
 
-    def _models(self, states):
-        return (merge_target(self._defs[0], states[0], self._layer_loop), nnx.merge(self._defs[1], states[1]))
+    def _models(self, states, slices):
+        return (merge_target(self._defs[0], states[0], self._layer_loop, slices), nnx.merge(self._defs[1], states[1]))
 
     def init(self, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampling: SamplingParams) -> SpecCarry:
-        self.consts, self.carry = self._init(self._states, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids,
-                                             sampling)
+        self.consts, self.carry = self._init(self._states, self._slices, tokens_bp, prompt_lens_b, live_b, max_new,
+                                             stop_ids, sampling)
         return self.carry
 
     def step(self) -> RoundInfo:
         """One round; the previous carry is donated (its buffers are reused), so keep a copy
         (``jax.tree.map(jnp.copy, stepper.carry)``) to run a round again from the same state."""
-        self.carry, info = self._step(self._states, self.consts, self.carry)
+        self.carry, info = self._step(self._states, self._slices, self.consts, self.carry)
         return info
 
     @property

@@ -70,18 +70,22 @@ class TargetModel(nnx.Module):
             return self.embed_tokens.attend(hidden_btd)
         return self.lm_head(hidden_btd)
 
-    def unroll_layers(self) -> "TargetModel":
+    def layer_slices(self) -> list:
+        """The stacked blocks' parameters sliced into one pytree per layer (copies, on CPU)."""
+        _, params = nnx.split(self.layers)
+        return [jax.tree.map(lambda a, i=i: a[i], params) for i in range(self.cfg.num_layers)]
+
+    def unroll_layers(self, slices: list | None = None) -> "TargetModel":
         """Slices the stacked blocks into separate per-layer arrays, once (call it inside a jitted program
-        before its decode loop): later calls then run a Python loop over them instead of a ``lax.scan``.
+        before its decode loop), or takes ``slices`` made earlier by :meth:`layer_slices`: later calls
+        then run a Python loop over them instead of a ``lax.scan``.
 
         A scan slices each layer's weights out of the stacked arrays at every step, and on CPU that slice
         is a copy, which made batch-1 decoding of SmolLM2-135M (memory-bound) 1.6x slower; the unrolled
         loop avoids it at the price of one copy of the weights per program run and a compile time that
         grows with depth. ``generate(layer_loop="unrolled")`` uses it (its prefill still scans: see
         :func:`prefill`)."""
-        _, params = nnx.split(self.layers)
-        object.__setattr__(self, "_per_layer", [jax.tree.map(lambda a, i=i: a[i], params)
-                                                for i in range(self.cfg.num_layers)])
+        object.__setattr__(self, "_per_layer", self.layer_slices() if slices is None else list(slices))
         return self
 
     def run_layers(self, x_btd, positions_bt, attend_at, carry, feature_layers: Sequence[int] = (),
@@ -164,10 +168,20 @@ def resolve_layer_loop(layer_loop: str = "auto") -> str:
     return layer_loop
 
 
-def merge_target(graphdef, state, layer_loop: str = "auto") -> TargetModel:
-    """``nnx.merge`` for the decode programs; an unrolled layer loop slices the layers once up front."""
+def merge_target(graphdef, state, layer_loop: str = "auto", slices: list | None = None) -> TargetModel:
+    """``nnx.merge`` for the decode programs; an unrolled layer loop slices the layers once up front
+    (or uses ``slices`` from :meth:`TargetModel.layer_slices`)."""
     model = nnx.merge(graphdef, state)
-    return model.unroll_layers() if resolve_layer_loop(layer_loop) == "unrolled" else model
+    return model.unroll_layers(slices) if resolve_layer_loop(layer_loop) == "unrolled" else model
+
+
+def layer_slices_for(graphdef, state, layer_loop: str = "auto") -> list | None:
+    """The per-layer weight slices that an unrolled program would make at every call, made once (a
+    second copy of the target's layers), or None for a scan: for drivers that call a jitted step or round
+    many times (:class:`~retrace_jax.plain_loop.PlainStepper`, ``SpeculativeStepper``)."""
+    if resolve_layer_loop(layer_loop) != "unrolled":
+        return None
+    return jax.jit(lambda s: nnx.merge(graphdef, s).layer_slices())(state)
 
 
 def forward_beside_context(model: TargetModel, tokens_bt, positions_bt, ctx: KVCache, mask_bt_st):

@@ -97,3 +97,32 @@ def test_layer_loops_and_attention_paths_give_the_same_tokens():
         rj.generate(target, prompts, 4, layer_loop="python")
     with pytest.raises(ValueError, match="attention"):
         rj.generate(target, prompts, 4, attention="flash")
+
+
+@pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
+def test_steppers_commit_what_generate_commits(layer_loop):
+    """The step-at-a-time drivers (per-layer weights sliced once when unrolled) give generate's tokens."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from retrace_jax.plain_loop import PlainStepper
+    from retrace_jax.sampling import SamplingParams
+    from retrace_jax.speculative_loop import SpeculativeStepper
+    from retrace_jax.tiny import tiny_target
+
+    target = tiny_target()
+    drafter = rj.init_drafter(target.cfg, mask_token_id=511, num_layers=1, block_size=4)
+    tokens = jnp.asarray([[5, 6, 7, 8]], jnp.int32)
+    args = (tokens, jnp.asarray([4], jnp.int32), jnp.ones((1,), bool), np.int32(12), jnp.full((8,), -1, jnp.int32),
+            SamplingParams.make())
+    want = rj.generate(target, [[5, 6, 7, 8]], 12, layer_loop=layer_loop).tokens[0]
+    plain = PlainStepper(target, layer_loop=layer_loop, capacity=16)
+    carry = plain.init(*args)
+    while not bool(jnp.all(carry.buf.done)):
+        carry = plain.step()
+    assert carry.buf.tokens[0, : int(carry.buf.num[0])].tolist() == want
+    spec = SpeculativeStepper(target, drafter, layer_loop=layer_loop, capacity=16, block_size=4)
+    spec.init(*args)
+    while not spec.done:
+        spec.step()
+    assert spec.carry.buf.tokens[0, : int(spec.carry.buf.num[0])].tolist() == want
