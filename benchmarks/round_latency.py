@@ -24,6 +24,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -48,16 +49,21 @@ def timed(fn, n):
 
 def in_loop_ms(target, prompt, kwargs, iters) -> float:
     """Milliseconds per round (per token without a drafter) inside ``rj.generate``: the difference of a
-    long and a short generation over the difference of their round counts, so prefill cancels out."""
-    short, long_ = 16, 16 + max(32, min(iters, 112))
-    times, rounds = [], []
-    for n in (short, long_):
-        rj.generate(target, prompt, n, **kwargs)  # compile
-        start = time.perf_counter()
-        out = rj.generate(target, prompt, n, **kwargs)
-        times.append(time.perf_counter() - start)
+    long and a short generation (each the median of 5 runs, alternated) over the difference of their
+    round counts, so prefill cancels out."""
+    lengths = (16, 16 + max(32, min(iters, 112)))
+    rounds = []
+    for n in lengths:
+        out = rj.generate(target, prompt, n, **kwargs)  # compile
         rounds.append(len(out.acceptance_lengths[0]))
-    return 1e3 * (times[1] - times[0]) / max(1, rounds[1] - rounds[0])
+    times = {n: [] for n in lengths}
+    for _ in range(5):
+        for n in lengths:
+            start = time.perf_counter()
+            rj.generate(target, prompt, n, **kwargs)
+            times[n].append(time.perf_counter() - start)
+    short, long_ = (float(np.median(times[n])) for n in lengths)
+    return 1e3 * (long_ - short) / max(1, rounds[1] - rounds[0])
 
 
 def main():
