@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
 from benchmarks.report import median_ms_from  # noqa: E402
-from retrace_jax.attention import cached_attention, reference_attention  # noqa: E402
+from retrace_jax.attention import cached_attention, fresh_attention, reference_attention  # noqa: E402
 from retrace_jax.plain_loop import plain_init, plain_step  # noqa: E402
 from retrace_jax.sampling import SamplingParams  # noqa: E402
 from retrace_jax.speculative_loop import SpeculativeStepper  # noqa: E402
@@ -124,17 +124,30 @@ def decode_rows(name, target, drafter, block_size, batches, context, steps, dtyp
     return rows
 
 
+def kernels() -> tuple[str, ...]:
+    """The attention implementations to time here: the chunked JAX path everywhere, cuDNN's flash
+    attention for prefills on NVIDIA GPUs."""
+    return ("chunked", "cudnn") if jax.default_backend() == "gpu" else ("chunked",)
+
+
 def prefill_rows(name, target, lengths, repeats):
     rows = []
     tdef, tstate = nnx.split(target)
     for length in lengths:
-        fn = jax.jit(lambda s, t: prefill(nnx.merge(tdef, s), t, jnp.full((1,), length, jnp.int32),
-                                          nnx.merge(tdef, s).init_cache(1, length))[0])
-        tokens = jnp.ones((1, length), jnp.int32)
-        c = compile_s(lambda: fn(tstate, tokens))
-        ms = median_ms_from(lambda _: fn(tstate, tokens), (), repeats)
-        rows.append({"model": name, "what": "prefill", "batch": 1, "context": length, "ms": round(ms, 1),
-                     "tokens_per_s": round(1e3 * length / ms), "compile_s": round(c, 1)})
+        for attention in kernels():
+            fn = jax.jit(lambda s, t, attention=attention: prefill(
+                nnx.merge(tdef, s), t, jnp.full((1,), length, jnp.int32), nnx.merge(tdef, s).init_cache(1, length),
+                attention=attention)[0])
+            tokens = jnp.ones((1, length), jnp.int32)
+            try:
+                c = compile_s(lambda: fn(tstate, tokens))
+                ms = median_ms_from(lambda _: fn(tstate, tokens), (), repeats)
+            except Exception as e:  # noqa: BLE001  (a kernel that fails here is a result to report)
+                rows.append({"model": name, "what": f"prefill ({attention})", "batch": 1, "context": length,
+                             "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"})
+                continue
+            rows.append({"model": name, "what": f"prefill ({attention})", "batch": 1, "context": length,
+                         "ms": round(ms, 1), "tokens_per_s": round(1e3 * length / ms), "compile_s": round(c, 1)})
     return rows
 
 
@@ -154,6 +167,20 @@ def parity_rows(dtype):
         err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)))
         rows.append({"model": "attention", "what": f"auto vs reference, {t} queries, {s} slots", "dtype": jnp.dtype(dtype).name,
                      "max_abs_err": f"{err:.2e}"})
+    if "cudnn" in kernels():  # the prefill kernel against the reference with a causal mask
+        t = 2048
+        q = jnp.asarray(rng.standard_normal((2, t, 32, 128)), dtype)
+        k = jnp.asarray(rng.standard_normal((2, t, 8, 128)), dtype)
+        v = jnp.asarray(rng.standard_normal((2, t, 8, 128)), dtype)
+        causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (2, t, t))
+        want = reference_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), causal)
+        try:
+            got = jax.jit(lambda q, k, v: fresh_attention(q, k, v, "cudnn"))(q, k, v)
+            err = f"{float(jnp.max(jnp.abs(got.astype(jnp.float32) - want))):.2e}"
+        except Exception as e:  # noqa: BLE001
+            err = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        rows.append({"model": "attention", "what": f"cudnn prefill vs reference, {t} queries", "dtype":
+                     jnp.dtype(dtype).name, "max_abs_err": err})
     return rows
 
 

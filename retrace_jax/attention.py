@@ -22,10 +22,13 @@ Two implementations share one meaning:
   only the chunks it can see, so memory grows with the chunk sizes, not with the prompt squared.
   Nothing of size ``S`` is materialised and the cache is only read, by slices.
 
-``implementation`` chooses the backend of :func:`cached_attention`: ``"chunked"`` (the JAX path
-above; every backend), ``"dense"`` (the reference over the whole cache; for tests and tiny caches) or
-``"auto"`` (``"chunked"`` here; the hook where accelerator kernels plug in). The score and softmax
-arithmetic is float32 whatever the cache dtype.
+``implementation`` chooses the backend: ``"chunked"`` (the JAX path above; every backend),
+``"dense"`` (the reference over the whole cache; for tests and tiny caches), ``"cudnn"`` (the prefill of
+an empty cache through cuDNN's flash attention, ``jax.nn.dot_product_attention``: NVIDIA GPUs, bfloat16
+or float16; every other call, decode, verify and draft, stays chunked: see :func:`fresh_attention`) or
+``"auto"`` (``"chunked"`` for now: the cuDNN path has not yet run on a GPU in this project, and
+``scripts/device_check.sh`` checks and times it when one is at hand). The score and softmax arithmetic
+is float32 whatever the cache dtype.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("auto", "chunked", "dense")
+IMPLEMENTATIONS = ("auto", "chunked", "dense", "cudnn")
 KV_CHUNK = 512  # cache slots per chunk; caches longer than this are allocated in multiples of it
 Q_CHUNK = 512  # queries per chunk (prefill)
 _NEG = -1e30  # finite "minus infinity": fully masked chunks stay NaN-free
@@ -78,7 +81,7 @@ def cached_attention(q_bthd, k_lbskd, v_lbskd, layer, limit_bt, extra_k_bekd=Non
     ``layer`` may be traced (a scan over layers). Returns ``[B, T, H, D]`` in the query dtype."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    if implementation == "dense":
+    if implementation == "dense":  # "cudnn" applies to fresh prefills only (fresh_attention); here it is chunked
         return _dense_cached(q_bthd, k_lbskd, v_lbskd, layer, limit_bt, extra_k_bekd, extra_v_bekd)
     b, t, h, d = q_bthd.shape
     s = k_lbskd.shape[2]
@@ -102,6 +105,24 @@ def cached_attention(q_bthd, k_lbskd, v_lbskd, layer, limit_bt, extra_k_bekd=Non
         limit_n = limit.reshape(b, n, qc).swapaxes(0, 1)
         out = jax.lax.map(lambda args: walk(*args), (q_n, limit_n))  # [N, B, Qc, H, D]
         out = out.swapaxes(0, 1).reshape(b, n * qc, h, d)[:, :t]
+    return out.astype(q_bthd.dtype)
+
+
+def fresh_attention(q_bthd, k_btkd, v_btkd, implementation: str = "cudnn"):
+    """Causal attention of ``T`` new tokens over their own keys only: the prefill of an empty cache, where
+    query ``t`` sees keys ``0..t`` (right-padded rows: the outputs at padding positions are never used).
+
+    ``implementation`` is ``jax.nn.dot_product_attention``'s: ``"cudnn"`` (flash attention on NVIDIA
+    GPUs; bfloat16 or float16) or ``"xla"`` (dense scores ``T x T``: tests on any backend)."""
+    if implementation == "cudnn":
+        if jax.default_backend() != "gpu":
+            raise ValueError(f"attention='cudnn' needs an NVIDIA GPU (JAX's backend here is "
+                             f"{jax.default_backend()!r}); use attention='auto' or 'chunked'")
+        if q_bthd.dtype not in (jnp.bfloat16, jnp.float16):
+            raise ValueError(f"attention='cudnn' needs bfloat16 or float16 activations, got {q_bthd.dtype}; "
+                             f"load the model in bfloat16 or use attention='chunked'")
+    out = jax.nn.dot_product_attention(q_bthd, k_btkd.astype(q_bthd.dtype), v_btkd.astype(q_bthd.dtype),
+                                       is_causal=True, implementation=implementation)
     return out.astype(q_bthd.dtype)
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from retrace_jax.attention import attention_beside_context, cached_attention
+from retrace_jax.attention import attention_beside_context, cached_attention, fresh_attention
 from retrace_jax.config import ModelConfig
 from retrace_jax.kv_cache import KVCache
 from retrace_jax.layers import DecoderBlock, RMSNorm, linear
@@ -130,14 +130,16 @@ class TargetModel(nnx.Module):
         return hidden, carry, jnp.concatenate(features, -1)
 
     def __call__(self, tokens_bt, cache: KVCache, *, feature_layers: Sequence[int] = (),
-                 attention: str = "auto", scan_layers: bool = False) -> ForwardOutput:
+                 attention: str = "auto", scan_layers: bool = False, fresh: bool = False) -> ForwardOutput:
         """Runs ``T`` new tokens per row at positions ``cache.lengths[b] + 0..T-1``.
 
         Each layer writes the new keys/values at those slots, then each query attends to the slots up to
         and including its own position: entries past a row's length are stale until overwritten here
         and are never read. ``feature_layers`` (static) selects layers whose features are returned
         concatenated; ``attention`` picks the implementation (see ``retrace_jax/attention.py``);
-        ``scan_layers`` runs the layers as one scan even after :meth:`unroll_layers`."""
+        ``scan_layers`` runs the layers as one scan even after :meth:`unroll_layers`. ``fresh`` promises
+        that the cache holds nothing yet (a prefill), so that ``attention="cudnn"`` can attend over the
+        new tokens alone (:func:`~retrace_jax.attention.fresh_attention`)."""
         t = tokens_bt.shape[1]
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
         offsets = cache.lengths
@@ -145,6 +147,8 @@ class TargetModel(nnx.Module):
         def attend_at(layer, cache):
             def attend(q, k, v):
                 cache_ = cache.write(layer, k, v, offsets)
+                if fresh and attention == "cudnn":
+                    return fresh_attention(q, k, v, "cudnn"), cache_
                 return cached_attention(q, cache_.k, cache_.v, layer, positions + 1, implementation=attention), cache_
 
             return attend
@@ -203,12 +207,13 @@ def forward_beside_context(model: TargetModel, tokens_bt, positions_bt, ctx: KVC
 
 def prefill(model: TargetModel, tokens_bp, prompt_lens_b, cache: KVCache, feature_layers=(), attention="auto"):
     """Runs right-padded prompts; returns the logits at each row's last prompt token, the cache with
-    lengths set to the prompt lengths, and the features of all prompt positions (or None).
+    lengths set to the prompt lengths, and the features of all prompt positions (or None). The cache
+    must be empty (its lengths 0), as the decode programs make it.
 
     The layers always run as one ``lax.scan`` here, also in an unrolled program: the prefill runs once
     per call, so slicing each layer's weights inside the scan costs one copy of the weights per call,
     which is small next to a prompt's compute, and the program compiles the prefill's layer once instead
     of once per layer (the decode steps, which run the weights once per token, stay unrolled)."""
-    out = model(tokens_bp, cache, feature_layers=feature_layers, attention=attention, scan_layers=True)
+    out = model(tokens_bp, cache, feature_layers=feature_layers, attention=attention, scan_layers=True, fresh=True)
     last_bd = jnp.take_along_axis(out.hidden, (prompt_lens_b - 1)[:, None, None], axis=1)[:, 0]
     return model.logits(last_bd), out.cache.replace(lengths=prompt_lens_b), out.features

@@ -85,3 +85,45 @@ def test_write_rows_at_each_rows_offset():
 def test_cache_allocation_rounds_to_chunks():
     cache = KVCache.zeros(2, 1, 600, 2, 4, jnp.float32)
     assert cache.max_len == cache_slots(600)
+
+
+def test_fresh_attention_is_causal_attention_over_the_new_tokens():
+    """The prefill path for kernels (jax.nn.dot_product_attention; its XLA implementation runs here, cuDNN's
+    on GPUs in the device check) against the reference with a causal mask, grouped-query shapes."""
+    from retrace_jax.attention import fresh_attention
+
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((2, 37, 8, 16)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((2, 37, 2, 16)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((2, 37, 2, 16)), jnp.float32)
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((37, 37), bool)), (2, 37, 37))
+    np.testing.assert_allclose(fresh_attention(q, k, v, "xla"), reference_attention(q, k, v, causal), atol=2e-5)
+    with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
+        fresh_attention(q, k, v, "cudnn")
+
+
+def test_cudnn_prefill_path_gives_the_same_tokens(monkeypatch):
+    """generate(attention="cudnn") sends empty-cache prefills through fresh_attention and everything else
+    through the chunked walk; with the kernel swapped for the XLA implementation (no GPU here) the
+    tokens equal the chunked path's, plain and speculative."""
+    import retrace_jax as rj
+    import retrace_jax.target as target_module
+    from retrace_jax.attention import fresh_attention
+    from retrace_jax.tiny import tiny_target
+
+    calls = []
+
+    def kernel(q, k, v, implementation):
+        calls.append(q.shape)
+        return fresh_attention(q, k, v, "xla")
+
+    target = tiny_target()
+    drafter = rj.init_drafter(target.cfg, mask_token_id=511, num_layers=1, block_size=4)
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    want = [rj.generate(target, prompts, 12, attention="chunked", **kw).tokens for kw in ({}, {"drafter": drafter})]
+    with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
+        rj.generate(target, prompts, 12, attention="cudnn")
+    monkeypatch.setattr(target_module, "fresh_attention", kernel)
+    got = [rj.generate(target, prompts, 12, attention="cudnn", **kw).tokens for kw in ({}, {"drafter": drafter})]
+    assert got == want
+    assert calls and all(shape[1] == 16 for shape in calls)  # the prompt bucket, never a decode step

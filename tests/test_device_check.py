@@ -18,7 +18,8 @@ def test_device_check_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.load(open(tmp_path / "device_check.json"))["rows"]
     whats = {r["what"] for r in rows}
-    assert {"plain decode step", "speculative round", "prefill"} <= whats
+    assert {"plain decode step", "speculative round", "prefill (chunked)"} <= whats
+    assert not [r for r in rows if "error" in r]
     assert any(w.startswith("verify pass") for w in whats)
     assert all(float(r["max_abs_err"]) < 1e-4 for r in rows if "max_abs_err" in r)
     assert (tmp_path / "device_check.md").read_text().count("|") > 20
