@@ -8,11 +8,13 @@ import warnings
 import pytest
 import yaml
 
+import retrace_jax as rj
 import train
 from retrace_jax import trainer
 from retrace_jax.retrace_loss import loss_weights
 from retrace_jax.train_config import ConfigurationError, TrainConfig, describe, load_config
-from retrace_jax.train_loop import step_options
+from retrace_jax.tiny import TINY_QWEN3
+from retrace_jax.train_loop import check_resume, run_settings, step_options
 from retrace_jax.train_step import StepOptions, adamw
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -105,6 +107,29 @@ def test_round_weights_and_their_short_form(config):
         StepOptions(objective="retrace", rounds=3, round_weights=(1.0, 1.0))
     with pytest.raises(ValueError, match="rounds must be an integer >= 2"):
         StepOptions(objective="retrace", rounds=1)
+
+
+def test_resume_checks_rounds_and_reads_older_retrace_checkpoints_as_two_rounds(config):
+    class Saved:
+        def __init__(self, meta):
+            self.meta = meta
+
+        def read_meta(self, step):
+            return self.meta
+
+    drafter_cfg = rj.init_drafter(TINY_QWEN3, mask_token_id=127, num_layers=1, block_size=4).cfg
+    four = run_settings(load_config(config, ["train.objective=retrace"]), drafter_cfg, 10)
+    two = run_settings(load_config(config, ["train.objective=retrace", "train.rounds=2"]), drafter_cfg, 10)
+    assert (four["rounds"], four["round_weights"], four["round1_weight"]) == (4, [1.0] * 4, 1.0)
+    check_resume(Saved(four), 5, four, "out")
+    with pytest.raises(ConfigurationError, match="rounds: 2 then, 4 now"):
+        check_resume(Saved(two), 5, four, "out")
+    older = {k: v for k, v in two.items() if k not in ("rounds", "round_weights")}  # before train.rounds
+    check_resume(Saved(older), 5, two, "out")
+    with pytest.raises(ConfigurationError, match="rounds: 2 then, 4 now"):
+        check_resume(Saved(older), 5, four, "out")
+    dflash = run_settings(load_config(config), drafter_cfg, 10)  # rounds mean nothing to DFlash
+    assert dflash["rounds"] is None and dflash["round_weights"] is None
 
 
 def test_step_options_and_optimizer_check_their_arguments():
