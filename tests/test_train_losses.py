@@ -255,15 +255,16 @@ def test_retained_states_are_detached_and_can_be_stored_in_float16(qwen3):
     graphdef, state = nnx.split(drafter)
 
     @functools.partial(jax.jit, static_argnames="dtype")
-    def memory(st, dtype=None):
+    def memories(st, dtype=None):  # the memories fused into rounds 2, 3 and 4
         return retrace_rollout(nnx.merge(graphdef, st), qwen3, tokens, mask, anchors, valid, 1.0,
-                               memory_dtype=dtype).memory
+                               memory_dtype=dtype, rounds=4).memories
 
-    full, half = memory(state), memory(state, "float16")
-    for a, b in ((full.mem_d, half.mem_d), (full.mem_t, half.mem_t)):
+    full, half = memories(state), memories(state, "float16")
+    assert len(full) == 3 and all(m.mem_d.dtype == m.mem_t.dtype == jnp.float32 for m in half)
+    for a, b in ((full[0].mem_d, half[0].mem_d), (full[0].mem_t, half[0].mem_t)):
         assert b.dtype == a.dtype  # stored rounded, used in the compute dtype
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a.astype(jnp.float16).astype(a.dtype)))
         assert not np.array_equal(np.asarray(a), np.asarray(b))
-    # Detached: nothing flows back into the drafter through the memory.
-    grads = jax.jit(jax.grad(lambda st: jnp.sum(memory(st).mem_d) + jnp.sum(memory(st).mem_t)))(state)
+    # Detached: nothing flows back into the drafter through any round's memory.
+    grads = jax.jit(jax.grad(lambda st: sum(jnp.sum(m.mem_d) + jnp.sum(m.mem_t) for m in memories(st))))(state)
     assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves(grads))
