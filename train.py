@@ -6,7 +6,7 @@
     python train.py --describe                                        # every config key, its default and docs
 
 Data preparation regenerates the responses to the prompts with the target (resumable shards); training
-fits the drafter (DFlash, or ReTrace's two-round rollout), checkpoints with Orbax and resumes exactly
+fits the drafter (DFlash, or ReTrace's K-round on-policy rollout), checkpoints with Orbax and resumes exactly
 from the last checkpoint when rerun, evaluates τ with real speculative generation on held-out prompts,
 and exports the drafter in the official DFlash layout to ``OUT/drafter``. Metrics go to stdout,
 ``OUT/metrics.jsonl`` and, when tensorboardX is installed, TensorBoard event files in ``OUT/tensorboard``.

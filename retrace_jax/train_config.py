@@ -158,7 +158,7 @@ class RetraceSection(Section):
 class TrainSection(Section):
     """``train:``: the objective, the optimiser, the mesh, checkpoints and logging."""
 
-    objective: str = doc("dflash, or retrace (the two-round on-policy rollout)", "dflash")
+    objective: str = doc("dflash, or retrace (the on-policy rollout of `rounds` rounds)", "dflash")
     steps: int = doc("training steps (micro-steps when grad_accum > 1)", 100)
     batch_size: int = doc("global batch, in sequences (over all processes and devices)", 8)
     seq_len: int = doc("sequences are cut or padded to this many tokens", 128)
@@ -173,7 +173,14 @@ class TrainSection(Section):
     feature_cache: bool = doc("DFlash, one process: compute the target features of all sequences once and "
                               "keep them in host memory", False)
     gamma: float | None = doc("loss decay over block slots; null: the published value for the block size", None)
-    round1_weight: float = doc("ReTrace: weight of the round-1 (DFlash) loss", 1.0)
+    rounds: int = doc("ReTrace: rounds of the on-policy rollout per anchor (>= 2): round 1 drafts without "
+                      "memory, each later round re-anchors where the previous one's acceptance leaves it, with "
+                      "that round's rejected suffix as its memory, as at inference", 4)
+    round_weights: list[float] | None = doc("ReTrace: the loss weight of each round, one per round; null: "
+                                            "round1_weight for round 1 and 1.0 for every later round", None)
+    round1_weight: float | None = doc("ReTrace: weight of the round-1 (DFlash) loss, every later round "
+                                      "weighing 1.0 (the short form of round_weights; not with it); null: 1.0",
+                                      None)
     correction_source: str = doc("ReTrace: verify (the target run on the drafted block, as at inference) "
                                  "or teacher (the teacher-forced states)", "verify")
     beta_warmup_steps: int = doc("ReTrace: beta ramps 0 -> 1 over these optimizer updates", 50)
@@ -216,8 +223,21 @@ class TrainSection(Section):
             out.append(f"{where}weight_decay must be >= 0, got {self.weight_decay!r}")
         if self.gamma is not None and (not _number(self.gamma) or self.gamma <= 0):
             out.append(f"{where}gamma must be a positive number or null, got {self.gamma!r}")
-        if not _number(self.round1_weight) or self.round1_weight < 0:
-            out.append(f"{where}round1_weight must be >= 0, got {self.round1_weight!r}")
+        if not isinstance(self.rounds, int) or isinstance(self.rounds, bool) or self.rounds < 2:
+            out.append(f"{where}rounds must be an integer >= 2, got {self.rounds!r}")
+        if self.round1_weight is not None and (not _number(self.round1_weight) or self.round1_weight < 0):
+            out.append(f"{where}round1_weight must be a number >= 0 or null, got {self.round1_weight!r}")
+        weights = self.round_weights
+        if weights is not None:
+            if not isinstance(weights, list) or not all(_number(w) and w >= 0 for w in weights):
+                out.append(f"{where}round_weights must be a list of numbers >= 0 (one per round) or null, "
+                           f"got {weights!r}")
+            elif isinstance(self.rounds, int) and len(weights) != self.rounds:
+                out.append(f"{where}round_weights has {len(weights)} weights for {self.rounds} rounds: give one "
+                           f"per round, got {weights!r}")
+            if self.round1_weight is not None:
+                out.append(f"{where}round_weights and {where}round1_weight are both given: round1_weight is the "
+                           f"short form of round_weights [round1_weight, 1.0, ...]; keep one of them")
         if self.correction_source not in CORRECTION_SOURCES:
             out.append(f"{where}correction_source must be verify or teacher, got {self.correction_source!r}")
         if self.compute_dtype not in COMPUTE_DTYPES:

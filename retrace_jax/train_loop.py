@@ -27,6 +27,7 @@ from retrace_jax.distributed import agree_any, initialize
 from retrace_jax.drafter import init_drafter
 from retrace_jax.hf_io import check_drafter_matches, load_drafter, shard_model
 from retrace_jax.retrace import ReTraceConfig
+from retrace_jax.retrace_loss import loss_weights
 from retrace_jax.sharding import batch_sharding, make_mesh
 from retrace_jax.train_config import ConfigurationError, TrainConfig, as_config
 from retrace_jax.train_eval import cached_features, evaluate, export_drafter
@@ -74,7 +75,8 @@ def step_options(cfg: TrainConfig) -> StepOptions:
     return StepOptions(objective=t.objective, num_anchors=t.num_anchors, gamma=t.gamma, round1_weight=t.round1_weight,
                        correction_source=t.correction_source, beta_warmup_steps=t.beta_warmup_steps,
                        compute_dtype=t.compute_dtype, remat=t.remat, grad_accum=t.grad_accum,
-                       memory_dtype=t.memory_dtype)
+                       memory_dtype=t.memory_dtype, rounds=t.rounds,
+                       round_weights=None if t.round_weights is None else tuple(t.round_weights))
 
 
 def optimizer_for(cfg: TrainConfig):
@@ -86,10 +88,12 @@ def run_settings(cfg: TrainConfig, drafter_cfg, num_sequences: int) -> dict:
     """What an exact resume must share with the run that wrote the checkpoint. (The mesh, the process
     count, remat, logging and checkpoint intervals may change.)"""
     t = cfg.train
+    weights, retrace = loss_weights(t.rounds, t.round_weights, t.round1_weight), t.objective == "retrace"
     return {
         "seed": t.seed, "objective": t.objective, "batch_size": t.batch_size, "seq_len": t.seq_len, "steps": t.steps,
         "grad_accum": t.grad_accum, "num_anchors": t.num_anchors, "lr": t.lr, "warmup_frac": t.warmup_frac,
-        "weight_decay": t.weight_decay, "clip": t.clip, "gamma": t.gamma, "round1_weight": t.round1_weight,
+        "weight_decay": t.weight_decay, "clip": t.clip, "gamma": t.gamma, "round1_weight": weights[0],
+        "rounds": t.rounds if retrace else None, "round_weights": list(weights) if retrace else None,
         "correction_source": t.correction_source, "beta_warmup_steps": t.beta_warmup_steps,
         "compute_dtype": t.compute_dtype, "memory_dtype": t.memory_dtype, "block_size": drafter_cfg.block_size,
         "num_layers": drafter_cfg.num_layers, "target_layer_ids": list(drafter_cfg.target_layer_ids),
@@ -101,7 +105,10 @@ def run_settings(cfg: TrainConfig, drafter_cfg, num_sequences: int) -> dict:
 
 def check_resume(ckpts: Checkpoints, step: int, settings: dict, out: str) -> None:
     """Refuses, before anything is restored, to resume a checkpoint written with other settings."""
-    diff = settings_differences(ckpts.read_meta(step), settings)
+    saved = ckpts.read_meta(step)
+    if saved.get("objective") == "retrace" and "rounds" not in saved:  # written before K rounds: two rounds
+        saved = {**saved, "rounds": 2}
+    diff = settings_differences(saved, settings)
     if diff:
         listed = "; ".join(f"{k}: {a!r} then, {b!r} now" for k, a, b in ((k, *v) for k, v in diff.items()))
         raise ConfigurationError(f"{out}/checkpoints/{step} was written with other settings ({listed}); an exact "

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from retrace_jax.dflash_loss import TRAIN_MESH, dflash_loss, sample_anchors
-from retrace_jax.retrace_loss import CORRECTION_SOURCES, retrace_loss
+from retrace_jax.retrace_loss import CORRECTION_SOURCES, DEFAULT_ROUNDS, loss_weights, retrace_loss
 from retrace_jax.sharding import batch_sharding
 
 OBJECTIVES = ("dflash", "retrace")
@@ -29,13 +29,15 @@ class StepOptions:
     objective: str = "dflash"  # "dflash" or "retrace"
     num_anchors: int = 8
     gamma: float | None = None  # loss decay; None: the published value for the block size
-    round1_weight: float = 1.0  # ReTrace: weight of the round-1 (DFlash) loss
+    round1_weight: float | None = None  # ReTrace: weight of round 1 (later rounds 1.0); None: 1.0
     correction_source: str = "verify"  # ReTrace: "verify" or "teacher"
     beta_warmup_steps: int = 50  # ReTrace: beta ramps 0 -> 1 over these steps
     compute_dtype: str = "float32"  # "bfloat16": compute with bf16 copies of the float32 master weights
     remat: bool = False  # recompute drafter layer activations in the backward pass
     grad_accum: int = 1  # micro-steps per optimizer update
     memory_dtype: str | None = None  # ReTrace: dtype the retained (detached) states are stored in; None: compute
+    rounds: int = DEFAULT_ROUNDS  # ReTrace: rounds of the on-policy rollout (>= 2)
+    round_weights: tuple[float, ...] | None = None  # ReTrace: loss weight per round; None: from round1_weight
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -50,6 +52,9 @@ class StepOptions:
             raise ValueError(f"memory_dtype must be float32, bfloat16, float16 or None, got {self.memory_dtype!r}")
         if not isinstance(self.remat, bool):
             raise ValueError(f"remat must be True or False, got {self.remat!r}")
+        loss_weights(self.rounds, self.round_weights, self.round1_weight)  # raises ValueError
+        if self.round_weights is not None:
+            object.__setattr__(self, "round_weights", tuple(self.round_weights))  # hashable (a static argument)
         for name in ("num_anchors", "grad_accum"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -85,11 +90,17 @@ def loss_fn(drafter_state, drafter_def, target, tokens_bs, loss_mask_bs, step, s
     beta = jnp.clip(updates / max(1, opts.beta_warmup_steps), 0.0, 1.0)
     loss, r = retrace_loss(drafter, target, tokens_bs, loss_mask_bs, anchors, valid, beta,
                            round1_weight=opts.round1_weight, correction_source=opts.correction_source,
-                           gamma=opts.gamma, remat=opts.remat, memory_dtype=opts.memory_dtype)
-    return loss, {"loss": loss, "loss_round1": r.round1.loss, "loss_round2": r.round2.loss, "tau": r.round1.tau,
-                  "tau_round2": r.round2.tau, "slot_accuracy": r.round1.slot_accuracy,
-                  "slot_accuracy_round2": r.round2.slot_accuracy, "beta": beta,
-                  "accepted_round1": jnp.sum(r.accepted_ba * valid) / jnp.maximum(jnp.sum(valid), 1)}
+                           gamma=opts.gamma, remat=opts.remat, memory_dtype=opts.memory_dtype, rounds=opts.rounds,
+                           round_weights=opts.round_weights)
+    # Round 1 keeps the DFlash names (tau, slot_accuracy); every round n has loss_roundN, accepted_roundN
+    # (mean a over its valid blocks) and, from round 2 on, tau_roundN and slot_accuracy_roundN.
+    metrics = {"loss": loss, "tau": r.round1.tau, "slot_accuracy": r.round1.slot_accuracy, "beta": beta}
+    for n, (m, a, v) in enumerate(zip(r.rounds, r.accepted, r.valid), start=1):
+        metrics[f"loss_round{n}"] = m.loss
+        metrics[f"accepted_round{n}"] = jnp.sum(a * v) / jnp.maximum(jnp.sum(v), 1)
+        if n > 1:
+            metrics[f"tau_round{n}"], metrics[f"slot_accuracy_round{n}"] = m.tau, m.slot_accuracy
+    return loss, metrics
 
 
 def _step(target_state, drafter_state, opt_state, tokens_bs, loss_mask_bs, step, seed, features_bsf=None, *,

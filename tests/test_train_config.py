@@ -8,9 +8,13 @@ import warnings
 import pytest
 import yaml
 
+import retrace_jax as rj
 import train
 from retrace_jax import trainer
+from retrace_jax.retrace_loss import loss_weights
 from retrace_jax.train_config import ConfigurationError, TrainConfig, describe, load_config
+from retrace_jax.tiny import TINY_QWEN3
+from retrace_jax.train_loop import check_resume, run_settings, step_options
 from retrace_jax.train_step import StepOptions, adamw
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,6 +56,10 @@ def test_overrides_are_typed(config):
     ("train.correction_source=oracle", "train.correction_source must be verify or teacher, got 'oracle'"),
     ("train.objective=eagle", "train.objective must be dflash or retrace"),
     ("train.memory_dtype=int8", "train.memory_dtype must be"),
+    ("train.rounds=1", "train.rounds must be an integer >= 2, got 1"),
+    ("train.round_weights=[1.0, x]", "train.round_weights must be a list of numbers >= 0 (one per round)"),
+    ("train.round_weights=[1.0, 2.0]", "train.round_weights has 2 weights for 4 rounds"),
+    ("train.round1_weight=-1", "train.round1_weight must be a number >= 0 or null, got -1.0"),
     ("train.mesh=model=4", "train.mesh entries look like"),
     ("train.steps=0", "train.steps must be a positive integer"),
     ("train.warmup_frac=1.5", "train.warmup_frac must lie in [0, 1)"),
@@ -77,6 +85,51 @@ def test_all_problems_are_reported_together(config):
     with pytest.raises(ConfigurationError) as err:
         load_config(config, ["train.clip=0", "train.lr=0"])
     assert "train.lr" in str(err.value) and "train.clip" in str(err.value)
+
+
+def test_round_weights_and_their_short_form(config):
+    """``round1_weight`` (the key of two-round training) still weighs round 1 against 1.0 for every later
+    round; ``round_weights`` gives one weight per round; both at once are refused."""
+    cfg = load_config(config, ["train.objective=retrace"])
+    assert cfg.train.rounds == 4 and step_options(cfg).rounds == 4
+    assert loss_weights(cfg.train.rounds, cfg.train.round_weights, cfg.train.round1_weight) == (1.0,) * 4
+    opts = step_options(load_config(config, ["train.round1_weight=0.5", "train.rounds=3"]))
+    assert loss_weights(opts.rounds, opts.round_weights, opts.round1_weight) == (0.5, 1.0, 1.0)
+    opts = step_options(load_config(config, ["train.round_weights=[2, 0, 1.5]", "train.rounds=3"]))
+    assert opts.round_weights == (2, 0, 1.5)
+    assert loss_weights(opts.rounds, opts.round_weights, opts.round1_weight) == (2.0, 0.0, 1.5)
+    with pytest.raises(ConfigurationError) as err:
+        load_config(config, ["train.round1_weight=0.5", "train.round_weights=[1, 1, 1, 1]"])
+    assert "train.round_weights and train.round1_weight are both given" in str(err.value)
+    with pytest.raises(ValueError, match="not both"):
+        StepOptions(objective="retrace", round1_weight=0.5, round_weights=(1.0, 1.0, 1.0, 1.0))
+    with pytest.raises(ValueError, match="one weight per round"):
+        StepOptions(objective="retrace", rounds=3, round_weights=(1.0, 1.0))
+    with pytest.raises(ValueError, match="rounds must be an integer >= 2"):
+        StepOptions(objective="retrace", rounds=1)
+
+
+def test_resume_checks_rounds_and_reads_older_retrace_checkpoints_as_two_rounds(config):
+    class Saved:
+        def __init__(self, meta):
+            self.meta = meta
+
+        def read_meta(self, step):
+            return self.meta
+
+    drafter_cfg = rj.init_drafter(TINY_QWEN3, mask_token_id=127, num_layers=1, block_size=4).cfg
+    four = run_settings(load_config(config, ["train.objective=retrace"]), drafter_cfg, 10)
+    two = run_settings(load_config(config, ["train.objective=retrace", "train.rounds=2"]), drafter_cfg, 10)
+    assert (four["rounds"], four["round_weights"], four["round1_weight"]) == (4, [1.0] * 4, 1.0)
+    check_resume(Saved(four), 5, four, "out")
+    with pytest.raises(ConfigurationError, match="rounds: 2 then, 4 now"):
+        check_resume(Saved(two), 5, four, "out")
+    older = {k: v for k, v in two.items() if k not in ("rounds", "round_weights")}  # before train.rounds
+    check_resume(Saved(older), 5, two, "out")
+    with pytest.raises(ConfigurationError, match="rounds: 2 then, 4 now"):
+        check_resume(Saved(older), 5, four, "out")
+    dflash = run_settings(load_config(config), drafter_cfg, 10)  # rounds mean nothing to DFlash
+    assert dflash["rounds"] is None and dflash["round_weights"] is None
 
 
 def test_step_options_and_optimizer_check_their_arguments():

@@ -1,5 +1,5 @@
 """Training objectives against direct loop-based references: DFlash blocks and the ReTrace rollout
-(which must see exactly what two inference rounds see)."""
+(which must see exactly what K inference rounds see)."""
 
 import dataclasses
 import functools
@@ -11,11 +11,14 @@ import pytest
 from flax import nnx
 
 import retrace_jax as rj
-from retrace_jax.dflash_loss import build_blocks, sample_anchors
+from retrace_jax.dflash_loss import (block_loss, build_blocks, default_gamma, draft_blocks, sample_anchors,
+                                     sequence_context)
+from retrace_jax.generation import _pad_stops
 from retrace_jax.retrace import shift_memory
-from retrace_jax.retrace_loss import retrace_rollout
-from retrace_jax.speculative_loop import draft_block
-from retrace_jax.target import prefill
+from retrace_jax.retrace_loss import retrace_loss, retrace_rollout, verify_blocks
+from retrace_jax.sampling import SamplingParams
+from retrace_jax.speculative_loop import SpeculativeStepper, draft_block
+from retrace_jax.verify import accepted_count
 from tests.helpers import with_random_retrace
 
 
@@ -58,47 +61,45 @@ def qwen3(hf_model_dir):
     return rj.load_target(hf_model_dir("qwen3")[1])
 
 
-def inference_rounds(target, drafter, seq):
-    """Two inference rounds at a given anchor, as ``rj.generate`` runs them, each jitted once for every
-    anchor and both correction sources (the anchor ``s`` is a value: the whole sequence is prefilled and
-    the caches' lengths cut to ``s``; entries past a row's length are never read)."""
-    tdef, tstate = nnx.split(target)
-    ddef, dstate = nnx.split(drafter)
-    k, layer_ids = drafter.cfg.block_size, drafter.cfg.target_layer_ids
-    s_len = seq.shape[1]
-    seq = jnp.asarray(seq)
-
-    @jax.jit
-    def round1(tstate, dstate, s):
-        """Round 1 at anchor ``s``: the drafter's states, its proposals, the target's choices, the target
-        states of the verify pass and of the teacher-forced sequence, the verified features, the cache."""
-        target, drafter = nnx.merge(tdef, tstate), nnx.merge(ddef, dstate)
-        _, tcache, feats = prefill(target, seq, s[None], target.init_cache(1, s_len + k), feature_layers=layer_ids)
-        dcache = drafter.extend_cache(feats, drafter.init_cache(1, s_len + k)).replace(lengths=s[None])
-        anchor = jax.lax.dynamic_slice(seq, (0, s), (1, 1))[:, 0]
-        hd = draft_block(target, drafter, anchor, dcache, k)
-        proposals = jnp.argmax(target.logits(hd[:, 1:]), -1).astype(jnp.int32)
-        out = target(jnp.concatenate([anchor[:, None], proposals], 1), tcache, feature_layers=layer_ids)
-        choice = jnp.argmax(target.logits(out.hidden), -1)[0]
-        teacher = target(jax.lax.dynamic_slice(seq, (0, s), (1, k)), tcache).hidden
-        return hd, proposals[0], choice, {"verify": out.hidden, "teacher": teacher}, out.features, dcache
-
-    @jax.jit
-    def round2(tstate, dstate, hd, ht, a, features, dcache, s2, token):
-        """Round 2 at ``s2 = s + a + 1``: the memory and the drafter's states."""
-        target, drafter = nnx.merge(tdef, tstate), nnx.merge(ddef, dstate)
-        memory = shift_memory(hd, ht, a[None])
-        dcache2 = drafter.extend_cache(features, dcache).replace(lengths=s2[None])
-        return memory, draft_block(target, drafter, token[None], dcache2, k, memory)
-
-    return (lambda s: round1(tstate, dstate, jnp.int32(s)),
-            lambda *args: round2(tstate, dstate, *args))
+def two_round_reference(drafter, target, tokens_bs, loss_mask_bs, anchors_ba, valid_ba, beta, correction_source):
+    """The two-round rollout as the library computed it before K rounds (round 1 without memory, round 2
+    with round 1's rejected suffix), kept here to check that ``rounds=2`` still computes exactly that."""
+    k, mask_id, layer_ids = drafter.cfg.block_size, drafter.cfg.mask_token_id, drafter.cfg.target_layer_ids
+    gamma = default_gamma(k)
+    b, s = tokens_bs.shape
+    n = anchors_ba.shape[1]
+    seq = jax.lax.stop_gradient(target(tokens_bs, target.init_cache(b, s), feature_layers=layer_ids))
+    ctx_kv = sequence_context(drafter, seq.features)
+    blocks1 = build_blocks(tokens_bs, loss_mask_bs, anchors_ba, valid_ba, k, mask_id, gamma)
+    hidden1 = draft_blocks(drafter, target, ctx_kv, blocks1)
+    logits1 = target.logits(hidden1)
+    proposals = jnp.argmax(logits1[:, :, 1:], -1).astype(jnp.int32)
+    truth = jnp.where(blocks1.weights_bak[:, :, 1:] > 0, blocks1.labels_bak[:, :, 1:], -1)
+    accepted = accepted_count(proposals.reshape(-1, k - 1), truth.reshape(-1, k - 1)).reshape(b, n)
+    if correction_source == "verify":
+        drafted = jnp.concatenate([blocks1.labels_bak[:, :, :1], proposals], axis=-1)
+        states = verify_blocks(target, seq.cache, drafted, anchors_ba)
+    else:
+        idx = jnp.minimum(blocks1.positions_bak, s - 1).reshape(b, -1)
+        states = jnp.take_along_axis(seq.hidden, idx[..., None], axis=1).reshape(b, n, k, -1)
+    memory = shift_memory(hidden1.reshape(b * n, k, -1), states.reshape(b * n, k, -1), accepted.reshape(-1))
+    memory = jax.tree.map(lambda x: x.reshape((b, n * k) + x.shape[2:]), memory)
+    anchors2 = anchors_ba + accepted + 1
+    valid2 = valid_ba & (anchors2 < s)
+    anchors2 = jnp.minimum(anchors2, s - 1)
+    blocks2 = build_blocks(tokens_bs, loss_mask_bs, anchors2, valid2, k, mask_id, gamma)
+    memory = memory.replace(valid=memory.valid & jnp.repeat(valid2, k, axis=1))
+    hidden2 = draft_blocks(drafter, target, ctx_kv, blocks2, memory, beta)
+    return (block_loss(logits1, blocks1), block_loss(target.logits(hidden2), blocks2), accepted, memory,
+            hidden2.reshape(b, n * k, -1), anchors2, valid2)
 
 
 @pytest.fixture(scope="module")
 def rollout_case(qwen3, trained_drafter):
-    """A ReTrace drafter with random memory weights, a sequence of the target's own greedy text, anchors,
-    and the jitted inference rounds."""
+    """A ReTrace drafter with random memory weights, a sequence of the target's own greedy text, its
+    loss mask, anchors (the last ones so near the end that later rounds run past the sequence), a
+    stepper that runs real inference rounds, and ``observe(carry)``: the drafter's states of the round
+    about to run and the teacher-forced target states of its block."""
     dflash, prompts = trained_drafter
     cfg = dataclasses.replace(dflash.cfg, retrace=rj.ReTraceConfig())
     graphdef, state = nnx.split(rj.DFlashDrafter(cfg, rngs=nnx.Rngs(0)))
@@ -107,42 +108,115 @@ def rollout_case(qwen3, trained_drafter):
         flat[path].set_value(var.get_value())
     drafter = with_random_retrace(nnx.merge(graphdef, nnx.from_flat_state(flat)), seed=3, scale=0.2)
     prompt = prompts[0]
-    response = rj.generate(qwen3, [prompt], 40).tokens[0]  # the target's own greedy text
+    response = rj.generate(qwen3, [prompt], 48).tokens[0]  # the target's own greedy text
     seq = np.asarray(prompt + response, np.int32)[None]
-    anchors = np.arange(len(prompt), seq.shape[1] - 2 * cfg.block_size, 3, dtype=np.int32)[None]
+    k, s_len = cfg.block_size, seq.shape[1]
+    near_end = [s_len - k - 2, s_len - k, s_len - 1]
+    anchors = np.r_[np.arange(len(prompt), s_len - 4 * k, 3), near_end].astype(np.int32)[None]
     loss_mask = np.r_[np.zeros(len(prompt)), np.ones(len(response))].astype(np.int32)[None]
-    return drafter, seq, anchors, loss_mask, inference_rounds(qwen3, drafter, seq)
+    stepper = SpeculativeStepper(qwen3, drafter, capacity=64, block_size=k)
+    (tdef, tstate), (ddef, dstate) = nnx.split(qwen3), nnx.split(drafter)
+    rows = anchors.shape[1]
+
+    @jax.jit
+    def observe(tstate, dstate, carry):
+        """The drafter's states of the round about to run and the teacher-forced target states of its
+        block (the sequence at ``start .. start+K-1``, seen through the round's own target cache)."""
+        target, drafter = nnx.merge(tdef, tstate), nnx.merge(ddef, dstate)
+        hidden = draft_block(target, drafter, carry.anchor_b, carry.draft_cache, k, carry.memory)
+        idx = jnp.minimum(carry.target_cache.lengths[:, None] + jnp.arange(k), s_len - 1)
+        teacher = target(jnp.take_along_axis(jnp.repeat(jnp.asarray(seq), rows, 0), idx, 1), carry.target_cache)
+        return hidden, teacher.hidden
+
+    return drafter, seq, anchors, loss_mask, (stepper, lambda carry: observe(tstate, dstate, carry))
 
 
 @pytest.mark.parametrize("source", ["verify", "teacher"])
-def test_rollout_equals_two_inference_rounds(qwen3, rollout_case, source):
-    drafter, seq, anchors, loss_mask, (round1, round2) = rollout_case
-    k = drafter.cfg.block_size
+def test_two_rounds_compute_the_two_round_rollout(qwen3, rollout_case, source):
+    drafter, seq, anchors, loss_mask, _ = rollout_case
+    valid = np.ones(anchors.shape, bool)
     (ddef, dstate), (tdef, tstate) = nnx.split(drafter), nnx.split(qwen3)
-    rollout = jax.jit(lambda dstate, tstate, *arrays: retrace_rollout(
-        nnx.merge(ddef, dstate), nnx.merge(tdef, tstate), *arrays, 1.0, correction_source=source))
-    roll = rollout(dstate, tstate, seq, loss_mask, anchors, np.ones(anchors.shape, bool))
-    seen_a = set()
-    for i, s in enumerate(anchors[0].tolist()):
-        # Inference round 1 at anchor s.
-        hd, proposals, choice, ht, features, dcache = round1(s)
-        proposals, choice = np.asarray(proposals), np.asarray(choice)
-        a = 0
-        while a < k - 1 and proposals[a] == choice[a]:
-            a += 1
-        assert a == int(roll.accepted_ba[0, i])
-        seen_a.add(a)
-        # Inference round 2 at s' = s + a + 1, its cache extended by the verified positions.
-        s2 = s + a + 1
-        assert choice[a] == seq[0, s2]
-        memory, hd2 = round2(hd, ht[source], jnp.int32(a), features, dcache, jnp.int32(s2), jnp.int32(choice[a]))
-        sl = slice(i * k, (i + 1) * k)
-        np.testing.assert_array_equal(np.asarray(roll.memory.valid[0, sl]), np.asarray(memory.valid[0]))
-        v = np.asarray(memory.valid[0])
-        np.testing.assert_allclose(np.asarray(roll.memory.mem_d[0, sl])[v], np.asarray(memory.mem_d[0])[v], atol=2e-5)
-        np.testing.assert_allclose(np.asarray(roll.memory.mem_t[0, sl])[v], np.asarray(memory.mem_t[0])[v], atol=2e-5)
-        np.testing.assert_allclose(np.asarray(roll.hidden2_btd[0, sl]), np.asarray(hd2[0]), atol=5e-5)
-    assert len(seen_a) > 1  # several acceptance counts were exercised
+    loss, roll = jax.jit(lambda dstate, tstate, *arrays: retrace_loss(
+        nnx.merge(ddef, dstate), nnx.merge(tdef, tstate), *arrays, 0.7, correction_source=source, rounds=2,
+        round1_weight=0.25))(dstate, tstate, seq, loss_mask, anchors, valid)
+    ref = jax.jit(lambda dstate, tstate, *arrays: two_round_reference(
+        nnx.merge(ddef, dstate), nnx.merge(tdef, tstate), *arrays, 0.7, source))(dstate, tstate, seq, loss_mask,
+                                                                                 anchors, valid)
+    m1, m2, accepted, memory, hidden2, anchors2, valid2 = jax.tree.map(np.asarray, ref)
+    assert len(roll.rounds) == 2 and len(roll.memories) == 1
+    assert not valid2.all() and valid2.any()  # some round-2 blocks run past the sequence
+    for got, want in ((roll.round1, m1), (roll.round2, m2)):
+        for name in ("loss", "slot_accuracy", "tau"):
+            np.testing.assert_allclose(np.asarray(getattr(got, name)), getattr(want, name), rtol=1e-6, err_msg=name)
+    np.testing.assert_array_equal(np.asarray(roll.accepted_ba), accepted)
+    np.testing.assert_array_equal(np.asarray(roll.anchors2_ba), anchors2)
+    np.testing.assert_array_equal(np.asarray(roll.valid2_ba), valid2)
+    np.testing.assert_array_equal(np.asarray(roll.memory.valid), memory.valid)
+    np.testing.assert_allclose(np.asarray(roll.memory.mem_d), memory.mem_d, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(roll.memory.mem_t), memory.mem_t, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(roll.hidden2_btd), hidden2, rtol=1e-6, atol=1e-6)
+    # The loss of two rounds: round 2 + round1_weight x round 1.
+    np.testing.assert_allclose(float(loss), float(m2.loss) + 0.25 * float(m1.loss), rtol=1e-6)
+
+
+@pytest.mark.parametrize("rounds", [2, 4])
+@pytest.mark.parametrize("source", ["verify", "teacher"])
+def test_rollout_equals_inference_rounds(qwen3, rollout_case, source, rounds):
+    """The training rollout against ``rounds`` real inference rounds (``speculative_round`` through the
+    stepper), every anchor a row whose prompt is the sequence up to it: the anchors, ``a``, the drafter's
+    states and the memory of every round. With ``teacher`` the stepper's memory takes the teacher-forced
+    target states of its round's block in place of the verify pass's (what that source trains)."""
+    drafter, seq, anchors, loss_mask, (stepper, observe) = rollout_case
+    k, s_len = drafter.cfg.block_size, seq.shape[1]
+    (ddef, dstate), (tdef, tstate) = nnx.split(drafter), nnx.split(qwen3)
+    roll = jax.jit(lambda dstate, tstate, *arrays: retrace_rollout(
+        nnx.merge(ddef, dstate), nnx.merge(tdef, tstate), *arrays, 1.0, correction_source=source, rounds=rounds))(
+        dstate, tstate, seq, loss_mask, anchors, np.ones(anchors.shape, bool))
+    assert len(roll.rounds) == rounds and len(roll.memories) == rounds - 1
+    rows = anchors.shape[1]
+    stepper.init(np.repeat(seq, rows, 0), anchors[0], np.ones(rows, bool), np.int32(10**6),
+                 _pad_stops([], qwen3.cfg.vocab_size), SamplingParams.make(0.0, 0, 1.0, 0))
+    inside = np.ones(rows, bool)  # rows whose rounds so far lie wholly inside the sequence
+    counts = set()
+    for r in range(rounds):
+        hidden, teacher = observe(stepper.carry)
+        info = stepper.step()
+        start, a, tokens = np.asarray(info.start_b), np.asarray(info.accepted_b), np.asarray(info.tokens_bk)
+        inside &= start + k <= s_len
+        assert inside.sum() >= 6
+        for i in np.flatnonzero(inside):
+            assert int(roll.anchors[r][0, i]) == start[i] and bool(roll.valid[r][0, i])
+            assert int(roll.accepted[r][0, i]) == a[i], (r, i)
+            # The round committed the sequence after its anchor: it is the target's own greedy text.
+            np.testing.assert_array_equal(tokens[i, : a[i] + 1], seq[0, start[i] + 1: start[i] + a[i] + 2])
+            counts.add(int(a[i]))
+        sl = lambda i: slice(i * k, (i + 1) * k)  # noqa: E731
+        for i in np.flatnonzero(inside):
+            np.testing.assert_allclose(np.asarray(roll.hidden[r][0, sl(i)]), np.asarray(hidden[i]), atol=5e-5,
+                                       err_msg=f"round {r + 1}, anchor {anchors[0, i]}")
+        if r < rounds - 1:
+            memory = stepper.carry.memory
+            if source == "teacher":
+                memory = memory.replace(mem_t=shift_memory(teacher, teacher, info.accepted_b).mem_t)
+                stepper.carry = stepper.carry.replace(memory=memory)
+            got = roll.memories[r]
+            for i in np.flatnonzero(inside & (start + a + 1 < s_len)):  # the next round is valid
+                v = np.asarray(memory.valid[i])
+                np.testing.assert_array_equal(np.asarray(got.valid[0, sl(i)]), v)
+                np.testing.assert_allclose(np.asarray(got.mem_d[0, sl(i)])[v], np.asarray(memory.mem_d[i])[v],
+                                           atol=5e-5)
+                np.testing.assert_allclose(np.asarray(got.mem_t[0, sl(i)])[v], np.asarray(memory.mem_t[i])[v],
+                                           atol=5e-5)
+    assert len(counts) > 1  # several acceptance counts were exercised
+    # Rounds past the sequence are masked, and so is the memory fused into them.
+    for r in range(1, rounds):
+        unclipped = np.asarray(roll.anchors[r - 1]) + np.asarray(roll.accepted[r - 1]) + 1
+        want = np.asarray(roll.valid[r - 1]) & (unclipped < s_len)
+        np.testing.assert_array_equal(np.asarray(roll.valid[r]), want)
+        off = np.repeat(~want[0], k)
+        assert not np.asarray(roll.memories[r - 1].valid[0])[off].any()
+    if rounds == 4:
+        assert not np.asarray(roll.valid[-1]).all()
 
 
 def test_bf16_compute_remat_and_accumulation(qwen3):
@@ -151,7 +225,8 @@ def test_bf16_compute_remat_and_accumulation(qwen3):
     rng = np.random.RandomState(0)
     tokens = jnp.asarray(rng.randint(0, 127, (4, 32)), jnp.int32)
     mask = jnp.asarray(np.r_[np.zeros(6), np.ones(26)][None].repeat(4, 0), jnp.int32)
-    opts = StepOptions(objective="retrace", compute_dtype="bfloat16", remat=True, num_anchors=3, grad_accum=2)
+    opts = StepOptions(objective="retrace", compute_dtype="bfloat16", remat=True, num_anchors=3, grad_accum=2,
+                       rounds=2)
     drafter = rj.init_drafter(qwen3.cfg, mask_token_id=127, num_layers=1, block_size=4, retrace=rj.ReTraceConfig())
     optimizer = adamw(1e-2, 8, grad_accum=2)
     (tdef, ts), (ddef, ds) = nnx.split(qwen3), nnx.split(drafter)
@@ -180,15 +255,16 @@ def test_retained_states_are_detached_and_can_be_stored_in_float16(qwen3):
     graphdef, state = nnx.split(drafter)
 
     @functools.partial(jax.jit, static_argnames="dtype")
-    def memory(st, dtype=None):
+    def memories(st, dtype=None):  # the memories fused into rounds 2, 3 and 4
         return retrace_rollout(nnx.merge(graphdef, st), qwen3, tokens, mask, anchors, valid, 1.0,
-                               memory_dtype=dtype).memory
+                               memory_dtype=dtype, rounds=4).memories
 
-    full, half = memory(state), memory(state, "float16")
-    for a, b in ((full.mem_d, half.mem_d), (full.mem_t, half.mem_t)):
+    full, half = memories(state), memories(state, "float16")
+    assert len(full) == 3 and all(m.mem_d.dtype == m.mem_t.dtype == jnp.float32 for m in half)
+    for a, b in ((full[0].mem_d, half[0].mem_d), (full[0].mem_t, half[0].mem_t)):
         assert b.dtype == a.dtype  # stored rounded, used in the compute dtype
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a.astype(jnp.float16).astype(a.dtype)))
         assert not np.array_equal(np.asarray(a), np.asarray(b))
-    # Detached: nothing flows back into the drafter through the memory.
-    grads = jax.jit(jax.grad(lambda st: jnp.sum(memory(st).mem_d) + jnp.sum(memory(st).mem_t)))(state)
+    # Detached: nothing flows back into the drafter through any round's memory.
+    grads = jax.jit(jax.grad(lambda st: sum(jnp.sum(m.mem_d) + jnp.sum(m.mem_t) for m in memories(st))))(state)
     assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves(grads))

@@ -98,7 +98,9 @@ def test_retrace_from_the_dflash_checkpoint(workspace, dflash_run):
                           "--set", "train.lr=1e-3", "--set", "train.beta_warmup_steps=4"])
     records = [r for r in _records(out) if "loss" in r]
     assert records[0]["beta"] == 0.0 and records[-1]["beta"] == 1.0
-    assert {"loss_round1", "loss_round2", "tau_round2", "accepted_round1"} <= set(records[0])
+    assert {"loss_round1", "loss_round2", "tau_round2", "accepted_round1"} <= set(records[0])  # two-round names
+    assert {"loss_round4", "tau_round4", "slot_accuracy_round4", "accepted_round4"} <= set(records[0])  # 4 rounds
+    assert "loss_round5" not in records[0]
     target = rj.load_target(yaml.safe_load(open(config))["target"])
     drafter = rj.load_drafter(summary["drafter"], target)
     assert drafter.cfg.retrace == rj.ReTraceConfig()
