@@ -307,6 +307,15 @@ def compiled_for(cfg: BuildConfig, graphdef):
     return compiled(graphdef, cfg.lr, cfg.steps, cfg.warmup_frac, cfg.weight_decay, cfg.clip)
 
 
+def mean_loss(loss_fn, state, windows: np.ndarray, batch_size: int) -> float:
+    """The mean next-token loss over ``windows``, ``batch_size`` at a time (the last batch may be short)."""
+    import jax.numpy as jnp
+
+    total = sum(float(loss_fn(state, jnp.asarray(windows[i : i + batch_size]))) * len(windows[i : i + batch_size])
+                for i in range(0, len(windows), batch_size))
+    return total / len(windows)
+
+
 def run_settings(cfg: BuildConfig, num_tokens: int) -> dict:
     """What an exact resume must share with the run that wrote the checkpoint."""
     keep = ("seed", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -364,11 +373,6 @@ def stage_train(cfg: BuildConfig, log) -> dict:
                  "unigram_heldout_loss": round(unigram_loss(train, heldout, cfg.vocab_size), 4), **settings})
         windows = eval_windows(heldout, cfg.eval_windows, cfg.seq_len)
 
-        def heldout_loss(state) -> float:
-            losses = [float(loss_fn(state, jnp.asarray(windows[i : i + cfg.batch_size])))
-                      * len(windows[i : i + cfg.batch_size]) for i in range(0, len(windows), cfg.batch_size)]
-            return sum(losses) / len(windows)
-
         stop = _Stop()
         previous = signal.signal(signal.SIGTERM, stop)
         step, run, window, tick = start, 0, [], time.perf_counter()
@@ -391,7 +395,7 @@ def stage_train(cfg: BuildConfig, log) -> dict:
                          "s_per_step": round((now - tick) / len(window), 3), "train_seconds": round(train_seconds, 1)})
                     window, tick = [], now
                 if step % cfg.eval_every == 0 or step == cfg.steps:
-                    value = heldout_loss(state)
+                    value = mean_loss(loss_fn, state, windows, cfg.batch_size)
                     log({"event": "eval", "step": step, "heldout_loss": round(value, 5),
                          "heldout_ppl": round(math.exp(value), 3)})
                     tick = time.perf_counter()  # evaluation time is not training time
@@ -411,7 +415,6 @@ def stage_train(cfg: BuildConfig, log) -> dict:
 
 def restore_model(cfg: BuildConfig, step: int | None = None):
     """The target at checkpoint ``step`` (default: the last) in float32, and that step."""
-    import jax
     from flax import nnx
 
     from retrace_jax.checkpointing import Checkpoints
@@ -430,9 +433,12 @@ def restore_model(cfg: BuildConfig, step: int | None = None):
 
 
 def stage_export(cfg: BuildConfig, log, allow_partial: bool = False) -> None:
+    """Writes the last checkpoint as a bf16 Hugging Face directory with the tokenizer and a
+    ``build_info.json`` (settings, data manifest, held-out loss before and after the bf16 rounding)."""
+    from flax import nnx
     from transformers import AutoTokenizer
 
-    from retrace_jax.hf_io import save_target
+    from retrace_jax.hf_io import load_target, save_target
 
     model, step, meta = restore_model(cfg)
     if step < cfg.steps and not allow_partial:
@@ -446,12 +452,19 @@ def stage_export(cfg: BuildConfig, log, allow_partial: bool = False) -> None:
         if name.startswith(("tokenizer", "special_tokens")):
             os.remove(os.path.join(cfg.out, name))
     save_tokenizer(tokenizer, cfg.out)
-    with open(os.path.join(cfg.out, "build_info.json"), "w") as f:
-        json.dump({"step": step, "mask_token_id": tokenizer.mask_token_id, "train_seconds": meta.get("train_seconds"),
-                   "settings": run_settings(cfg, int(meta.get("train_tokens", 0))),
-                   "data": _read_json(os.path.join(cfg.data_dir, "manifest.json"))}, f, indent=2)
     save_target(model, cfg.out, dtype="bfloat16", extra_config=ids)
-    log({"event": "export", "step": step, "out": cfg.out,
+    windows = eval_windows(np.load(os.path.join(cfg.data_dir, "heldout_tokens.npy")), cfg.eval_windows, cfg.seq_len)
+    losses = {}
+    for name, module in (("heldout_loss", model), ("heldout_loss_bf16_weights", load_target(cfg.out, "float32"))):
+        graphdef, state = nnx.split(module)
+        losses[name] = round(mean_loss(compiled_for(cfg, graphdef)[1], state, windows, cfg.batch_size), 5)
+    data = {k: v for k, v in _read_json(os.path.join(cfg.data_dir, "manifest.json")).items() if k != "stdlib"}
+    info = {"step": step, "mask_token_id": tokenizer.mask_token_id, "train_seconds": meta.get("train_seconds"),
+            **losses, "eval_windows": cfg.eval_windows, "settings": run_settings(cfg, int(meta.get("train_tokens", 0))),
+            "data": data}
+    with open(os.path.join(cfg.out, "build_info.json"), "w") as f:
+        json.dump(info, f, indent=2)
+    log({"event": "export", "step": step, "out": cfg.out, **losses,
          "bytes": sum(os.path.getsize(os.path.join(cfg.out, n)) for n in os.listdir(cfg.out))})
 
 

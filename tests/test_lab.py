@@ -108,6 +108,10 @@ def test_tiny_build_exports_a_target_that_transformers_and_load_target_agree_on(
         out = target(jnp.asarray([ids]), target.init_cache(1, len(ids)), attention="dense")
         np.testing.assert_allclose(np.asarray(target.logits(out.hidden))[0], ref, atol=1e-4, rtol=1e-4)
     assert rj.generate(target, prompts, 12).tokens == [hf_greedy(hf, ids, 12) for ids in prompts]
+    info = bt._read_json(os.path.join(cfg.out, "build_info.json"))
+    assert info["step"] == 3 and info["mask_token_id"] == tok.mask_token_id == 2
+    assert info["heldout_loss"] == next(r["heldout_loss"] for r in records if r.get("event") == "eval" and r["step"] == 3)
+    assert abs(info["heldout_loss_bf16_weights"] - info["heldout_loss"]) < 0.05
     # the export stage again replaces the directory's weights and tokenizer, nothing else
     bt.build(cfg, ("export",), log=[].append)
     assert sorted(os.listdir(cfg.out)) == ["build_info.json", "config.json", "model.safetensors", "tokenizer.json",
