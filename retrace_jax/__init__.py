@@ -4,7 +4,8 @@ from retrace_jax.compile_cache import enable_compilation_cache
 from retrace_jax.config import ConfigError, ModelConfig
 from retrace_jax.drafter import DFlashDrafter, DrafterConfig, init_drafter
 from retrace_jax.retrace import ReTraceConfig
-from retrace_jax.hf_io import CheckpointError, load_drafter, load_target, save_drafter, shard_model
+from retrace_jax.hf_io import (CheckpointError, load_drafter, load_target, save_drafter, save_target,
+                               shard_model)
 from retrace_jax.sharding import make_mesh
 from retrace_jax.target import TargetModel
 
@@ -22,6 +23,7 @@ __all__ = [
     "make_mesh",
     "load_target",
     "save_drafter",
+    "save_target",
     "shard_model",
 ]
 import retrace_jax.assets as assets

@@ -85,6 +85,46 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
         )
 
+    def to_hf(self) -> dict[str, Any]:
+        """The Hugging Face ``config.json`` fields of this model (``from_hf(cfg.to_hf()) == cfg``); the
+        flags must be ones that the family can express (Qwen3's QK-norm, Qwen2's q/k/v biases)."""
+        family = HF_ARCHITECTURES[self.model_type]
+        if self.qk_norm != (self.model_type == "qwen3"):
+            raise ConfigError(f"qk_norm={self.qk_norm} cannot be expressed by model_type {self.model_type!r}")
+        if self.model_type == "qwen2":
+            if not self.qkv_bias or self.o_bias:
+                raise ConfigError("model_type 'qwen2' always has q/k/v biases and no o_proj bias")
+        elif self.qkv_bias != self.o_bias:
+            raise ConfigError(f"model_type {self.model_type!r} has one attention_bias flag for q/k/v and o_proj")
+        if self.mlp_bias and self.model_type != "llama":
+            raise ConfigError(f"mlp_bias cannot be expressed by model_type {self.model_type!r}")
+        hf = {
+            "architectures": [family],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_dropout": 0.0,
+        }
+        if self.model_type != "qwen2":
+            hf["attention_bias"] = self.o_bias
+        if self.model_type == "llama":
+            hf["mlp_bias"] = self.mlp_bias
+        return hf
+
+
+HF_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+
 
 def read_config_json(directory: str) -> dict[str, Any]:
     """Reads ``directory/config.json`` with a clear error when it is missing or not a JSON object."""

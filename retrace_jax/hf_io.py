@@ -421,21 +421,34 @@ def save_drafter(drafter: DFlashDrafter, path: str, dtype=None) -> None:
     ``pytorch_model.bin``) are not, so they cannot shadow the new weights. Replacing an existing directory
     takes two renames (old out, new in); a process killed between them leaves the old checkpoint as
     ``.NAME.old-*`` beside ``path``."""
-    dtype = resolve_dtype(dtype if dtype is not None else drafter.dtype)
+    _save_checkpoint(drafter, drafter.cfg.to_hf(), all_drafter_specs(drafter.cfg), path, dtype, "save_drafter")
+
+
+def save_target(target: TargetModel, path: str, dtype=None, extra_config: dict | None = None) -> None:
+    """Writes a target as a Hugging Face directory (``config.json`` + ``model.safetensors``) that
+    :func:`load_target` and transformers' ``AutoModelForCausalLM`` load; ``extra_config`` adds fields
+    to ``config.json`` (token ids: ``bos_token_id``, ``eos_token_id``, ``pad_token_id``). Atomic and
+    keeping other files (a tokenizer) as :func:`save_drafter` does; ``dtype`` defaults to the target's."""
+    hf = dict(target.cfg.to_hf(), **(extra_config or {}))
+    _save_checkpoint(target, hf, target_specs(target.cfg), path, dtype, "save_target")
+
+
+def _save_checkpoint(module, hf: dict, specs: list[WeightSpec], path: str, dtype, caller: str) -> None:
+    """The atomic save behind :func:`save_drafter` and :func:`save_target`."""
+    dtype = resolve_dtype(dtype if dtype is not None else module.dtype)
     path = os.path.abspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
-        raise FileExistsError(f"save_drafter: {path} exists and is not a directory")
-    kept = _kept_files(path) if os.path.isdir(path) else []
+        raise FileExistsError(f"{caller}: {path} exists and is not a directory")
+    kept = _kept_files(path, caller) if os.path.isdir(path) else []
     parent, name = os.path.split(path)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{name}.saving-", dir=parent)
     try:
         os.chmod(tmp, _default_dir_mode())  # mkdtemp makes it private; a checkpoint gets the usual mode
-        hf = drafter.cfg.to_hf()
-        hf["torch_dtype"] = dtype.name
+        hf = dict(hf, torch_dtype=dtype.name)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf, f, indent=2)
-        tensors = {k: v.astype(dtype) for k, v in export_tensors(drafter, all_drafter_specs(drafter.cfg)).items()}
+        tensors = {k: v.astype(dtype) for k, v in export_tensors(module, specs).items()}
         save_file(tensors, os.path.join(tmp, SINGLE_FILE), metadata={"format": "pt"})
         for file in kept:
             shutil.copy2(os.path.join(path, file), os.path.join(tmp, file))
@@ -451,12 +464,12 @@ def _default_dir_mode() -> int:
     return 0o777 & ~umask
 
 
-def _kept_files(path: str) -> list[str]:
+def _kept_files(path: str, caller: str = "save_drafter") -> list[str]:
     """The files of an existing checkpoint directory that a new save keeps (all but config and weights)."""
     names = sorted(os.listdir(path))
     subdirs = [n for n in names if not os.path.isfile(os.path.join(path, n))]
     if subdirs:
-        raise ValueError(f"save_drafter replaces the checkpoint directory {path}, but it holds other things "
+        raise ValueError(f"{caller} replaces the checkpoint directory {path}, but it holds other things "
                          f"({', '.join(subdirs[:5])}); choose an empty or new directory")
     return [n for n in names if n != "config.json" and not n.endswith(WEIGHT_SUFFIXES)]
 

@@ -91,3 +91,60 @@ def test_bfloat16_checkpoint(tmp_path):
     target = rj.load_target(directory, dtype="bfloat16")
     assert target.embed_tokens.embedding.dtype == jnp.bfloat16
     assert rj.load_target(directory).embed_tokens.embedding.dtype == jnp.float32
+
+
+def test_model_config_to_hf_round_trips(family):
+    cfg = rj.ModelConfig.from_hf(make_hf_model(family).config.to_dict())
+    assert rj.ModelConfig.from_hf(cfg.to_hf()) == cfg
+
+
+def test_model_config_to_hf_refuses_what_the_family_cannot_express():
+    import dataclasses
+
+    from retrace_jax.tiny import TINY_QWEN3
+
+    with pytest.raises(rj.ConfigError, match="qk_norm"):
+        dataclasses.replace(TINY_QWEN3, model_type="llama").to_hf()
+    with pytest.raises(rj.ConfigError, match="attention_bias"):
+        dataclasses.replace(TINY_QWEN3, qkv_bias=True).to_hf()
+
+
+def test_save_target_round_trips_and_transformers_agrees(family, hf_model_dir, tmp_path):
+    """A loaded checkpoint saved again loads to the same parameters here and in transformers (float32
+    logits agree); the save keeps other files (a tokenizer) and replaces the weights atomically."""
+    import torch
+    import transformers
+
+    _, directory = hf_model_dir(family)
+    target = rj.load_target(directory, dtype="float32")
+    out = str(tmp_path / "saved")
+    os.makedirs(out)
+    with open(os.path.join(out, "tokenizer.json"), "w") as f:
+        f.write("{}")
+    rj.save_target(target, out, extra_config={"eos_token_id": 2})
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    again = rj.load_target(out, dtype="float32")
+    for (p, a), (_, b) in zip(nnx_flat(target), nnx_flat(again)):
+        np.testing.assert_array_equal(a, b, err_msg=str(p))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert hf.config.eos_token_id == 2
+    tokens = [[3, 17, 5, 99, 42, 8]]
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens)).logits.numpy()
+    mine = again(jnp.asarray(tokens), again.init_cache(1, 6), attention="dense")
+    np.testing.assert_allclose(np.asarray(again.logits(mine.hidden)), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_save_target_bfloat16_halves_the_file(hf_model_dir, tmp_path):
+    target = rj.load_target(hf_model_dir("qwen3")[1], dtype="float32")
+    rj.save_target(target, str(tmp_path / "f32"))
+    rj.save_target(target, str(tmp_path / "bf16"), dtype="bfloat16")
+    size = lambda d: os.path.getsize(os.path.join(tmp_path, d, "model.safetensors"))  # noqa: E731
+    assert size("bf16") < 0.55 * size("f32")
+    assert rj.load_target(str(tmp_path / "bf16"), dtype="bfloat16").embed_tokens.embedding.dtype == jnp.bfloat16
+
+
+def nnx_flat(module):
+    from flax import nnx
+
+    return [(p, np.asarray(v.get_value())) for p, v in nnx.to_flat_state(nnx.state(module, nnx.Param))]

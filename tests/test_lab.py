@@ -1,0 +1,144 @@
+"""The laboratory target's build pipeline (lab/build_target.py) on a tiny configuration: its tokenizer,
+its export (loaded by transformers and by ``load_target`` with equal greedy tokens) and exact resume."""
+
+import dataclasses
+import importlib.util
+import os
+import shutil
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import retrace_jax as rj
+from tests.helpers import hf_greedy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load_build():
+    spec = importlib.util.spec_from_file_location("lab_build_target", os.path.join(ROOT, "lab", "build_target.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+bt = _load_build()
+
+
+def tiny_config(work, out=None, **overrides):
+    cfg = bt.BuildConfig(work=str(work), out=str(out or os.path.join(work, "target")), max_train_files=12,
+                         max_heldout_files=4, vocab_size=400, hidden_size=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16, intermediate_size=128, seq_len=32, batch_size=2, steps=3,
+                         log_every=1, eval_every=2, eval_windows=4, checkpoint_every=2)
+    return dataclasses.replace(cfg, **overrides)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A work directory with the data and tokenizer stages done (tiny corpus)."""
+    cfg = tiny_config(tmp_path_factory.mktemp("lab"))
+    records = []
+    bt.build(cfg, ("data", "tokenizer"), log=records.append)
+    return cfg, records
+
+
+def copy_prepared(cfg, work):
+    """A fresh work directory sharing ``cfg``'s data and tokenizer."""
+    for name in ("data", "tokenizer"):
+        shutil.copytree(os.path.join(cfg.work, name), os.path.join(work, name))
+    return dataclasses.replace(cfg, work=str(work), out=str(work / "target"))
+
+
+def test_data_never_trains_on_held_out_files(prepared):
+    cfg, records = prepared
+    data = next(r for r in records if r.get("event") == "data")
+    assert data["train"]["files"] > 0 and data["heldout"]["files"] > 0
+    train = bt._read_json(os.path.join(cfg.data_dir, "train_docs.json"))
+    held = bt._read_json(os.path.join(cfg.data_dir, "heldout_docs.json"))
+    assert all(d["path"].split(os.sep)[0] in bt.HELD_OUT_PACKAGES for d in held)
+    assert not any(set(d["path"].split(os.sep)) & set(bt.EXCLUDED_DIRS) for d in train)
+    assert not {d["sha256"] for d in train} & {d["sha256"] for d in held}
+
+
+def test_tokenizer_round_trips_text_and_reserves_a_mask(prepared):
+    from transformers import AutoTokenizer
+
+    cfg, _ = prepared
+    tok = AutoTokenizer.from_pretrained(cfg.tokenizer_dir)
+    assert len(tok) == cfg.vocab_size
+    assert (tok.eos_token_id, tok.pad_token_id, tok.mask_token_id) == (0, 1, 2) and tok.bos_token_id == 0
+    texts = ["def f(x):\n\treturn x  # trailing  \n\n", "    if a != b:\r\n        raise ValueError('é∑ 日本')\n",
+             bt._read_json(os.path.join(cfg.data_dir, "heldout_docs.json"))[0]["text"]]
+    for text in texts:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert tok.decode(ids) == text
+        assert bt.MASK not in tok.convert_ids_to_tokens(ids)
+    stream = np.load(os.path.join(cfg.data_dir, "train_tokens.npy"))
+    assert stream.dtype == np.uint16 and stream.max() < cfg.vocab_size and 2 not in set(stream.tolist())
+
+
+@pytest.fixture(scope="module")
+def built(prepared, tmp_path_factory):
+    """The tiny configuration built through every stage in one go, with its log records."""
+    cfg = copy_prepared(prepared[0], tmp_path_factory.mktemp("built"))
+    records = []
+    bt.build(cfg, bt.STAGES, log=records.append)
+    return cfg, records
+
+
+def test_tiny_build_exports_a_target_that_transformers_and_load_target_agree_on(built):
+    import torch
+    import transformers
+
+    cfg, records = built
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+    assert [r["step"] for r in records if r.get("event") == "eval"] == [2, 3]
+    assert {r["stage"] for r in records if r.get("event") == "skip"} == {"data", "tokenizer"}
+    tok = transformers.AutoTokenizer.from_pretrained(cfg.out)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(cfg.out, dtype=torch.float32).eval()
+    target = rj.load_target(cfg.out, dtype="float32")
+    assert hf.config.eos_token_id == tok.eos_token_id == 0
+    prompts = [tok(p)["input_ids"] for p in ("import os\n\ndef main(", "class A:\n    def __init__(self")]
+    for ids in prompts:
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0].numpy()
+        out = target(jnp.asarray([ids]), target.init_cache(1, len(ids)), attention="dense")
+        np.testing.assert_allclose(np.asarray(target.logits(out.hidden))[0], ref, atol=1e-4, rtol=1e-4)
+    assert rj.generate(target, prompts, 12).tokens == [hf_greedy(hf, ids, 12) for ids in prompts]
+    info = bt._read_json(os.path.join(cfg.out, "build_info.json"))
+    assert info["step"] == 3 and info["mask_token_id"] == tok.mask_token_id == 2
+    assert info["heldout_loss"] == next(r["heldout_loss"] for r in records if r.get("event") == "eval" and r["step"] == 3)
+    assert abs(info["heldout_loss_bf16_weights"] - info["heldout_loss"]) < 0.05
+    # the export stage again replaces the directory's weights and tokenizer, nothing else
+    bt.build(cfg, ("export",), log=[].append)
+    assert sorted(os.listdir(cfg.out)) == ["build_info.json", "config.json", "model.safetensors", "tokenizer.json",
+                                           "tokenizer_config.json"]
+
+
+def test_resume_repeats_the_uninterrupted_run(built, tmp_path):
+    from flax import nnx
+
+    cfg_a, straight = built
+    resumed = []
+    cfg_b = copy_prepared(cfg_a, tmp_path)
+    bt.build(dataclasses.replace(cfg_b, stop_after=1), ("train",), log=resumed.append)
+    assert resumed[-1] == {"event": "stopped", "step": 1, "reason": "stop_after"}
+    bt.build(cfg_b, ("train",), log=resumed.append)
+    assert {"event": "resumed", "step": 1} in resumed
+    losses = lambda records: [(r["step"], r["last_loss"]) for r in records if "last_loss" in r]  # noqa: E731
+    assert losses(resumed) == losses(straight)
+    evals = lambda records: [(r["step"], r["heldout_loss"]) for r in records if r.get("event") == "eval"]  # noqa: E731
+    assert evals(resumed) == evals(straight)
+    a, _, _ = bt.restore_model(cfg_a)
+    b, _, _ = bt.restore_model(cfg_b)
+    for (p, x), (_, y) in zip(nnx.to_flat_state(nnx.state(a)), nnx.to_flat_state(nnx.state(b))):
+        np.testing.assert_array_equal(np.asarray(x.get_value()), np.asarray(y.get_value()), err_msg=str(p))
+    # a finished run is skipped; other settings are refused before anything is restored
+    done = []
+    bt.build(cfg_b, ("train",), log=done.append)
+    assert done[0]["event"] == "skip"
+    with pytest.raises(SystemExit, match="lr"):
+        bt.build(dataclasses.replace(cfg_b, lr=1e-3, steps=5), ("train",), log=done.append)
