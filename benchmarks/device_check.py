@@ -124,6 +124,11 @@ def decode_rows(name, target, drafter, block_size, batches, context, steps, dtyp
     return rows
 
 
+def failure(e: Exception) -> str:
+    """One line naming an exception, for a table cell (a kernel that fails on a device is a result)."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
+
 def kernels() -> tuple[str, ...]:
     """The attention implementations to time here: the chunked JAX path everywhere, cuDNN's flash
     attention for prefills on NVIDIA GPUs."""
@@ -144,7 +149,7 @@ def prefill_rows(name, target, lengths, repeats):
                 ms = median_ms_from(lambda _: fn(tstate, tokens), (), repeats)
             except Exception as e:  # noqa: BLE001  (a kernel that fails here is a result to report)
                 rows.append({"model": name, "what": f"prefill ({attention})", "batch": 1, "context": length,
-                             "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"})
+                             "error": failure(e)})
                 continue
             rows.append({"model": name, "what": f"prefill ({attention})", "batch": 1, "context": length,
                          "ms": round(ms, 1), "tokens_per_s": round(1e3 * length / ms), "compile_s": round(c, 1)})
@@ -178,7 +183,7 @@ def parity_rows(dtype):
             got = jax.jit(lambda q, k, v: fresh_attention(q, k, v, "cudnn"))(q, k, v)
             err = f"{float(jnp.max(jnp.abs(got.astype(jnp.float32) - want))):.2e}"
         except Exception as e:  # noqa: BLE001
-            err = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            err = failure(e)
         rows.append({"model": "attention", "what": f"cudnn prefill vs reference, {t} queries", "dtype":
                      jnp.dtype(dtype).name, "max_abs_err": err})
     return rows

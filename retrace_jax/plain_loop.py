@@ -86,7 +86,6 @@ class PlainStepper:
 
     def __init__(self, target, layer_loop: str = "auto", **static):
         self._def, self._state = nnx.split(target)
-        self._layer_loop = layer_loop
         self._slices = layer_slices_for(self._def, self._state, layer_loop)
         self.consts = self.carry = None
 

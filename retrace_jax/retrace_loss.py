@@ -93,7 +93,7 @@ def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss
     ctx_kv = sequence_context(drafter, seq.features)
 
     metrics, accepted_all, anchors_all, valid_all, memories, hiddens = [], [], [], [], [], []
-    anchors, valid, memory = anchors_ba, valid_ba, None
+    anchors, valid, memory, accepted = anchors_ba, valid_ba, None, None  # accepted: set by each round
     for r in range(rounds):
         if r > 0:  # re-anchored after the accepted prefix and its correction token
             anchors = anchors + accepted + 1

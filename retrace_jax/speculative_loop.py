@@ -203,7 +203,6 @@ class SpeculativeStepper:
         self._defs = (nnx.graphdef(target), nnx.graphdef(drafter))
         self._states = (nnx.state(target), nnx.state(drafter))
         self._slices = layer_slices_for(self._defs[0], self._states[0], layer_loop)
-        self._static = static
         self.consts = self.carry = None
 
         def init(states, slices, *args):
