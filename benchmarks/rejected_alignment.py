@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
 from benchmarks.speculative_eval import DEFAULT_SPEC_BENCH, parse_drafters, pick, read_datasets  # noqa: E402
-from retrace_jax.data import chat_encoder, load_tokenizer  # noqa: E402
+from retrace_jax.data import chat_encoder, load_tokenizer, read_prompts  # noqa: E402
 from retrace_jax.generation import _check_prompts, _pad_prompts, _pad_stops, _sampling_mode, bucket  # noqa: E402
 from retrace_jax.hf_io import check_drafter_matches  # noqa: E402
 from retrace_jax.sampling import SamplingParams  # noqa: E402
@@ -165,6 +165,9 @@ def main(argv=None):
     p.add_argument("--spec-bench", default=DEFAULT_SPEC_BENCH,
                    help="Spec-Bench questions (JSONL, optionally .gz; default: the vendored copy in benchmarks/data)")
     p.add_argument("--per-category", type=int, default=4, help="prompts per Spec-Bench category")
+    p.add_argument("--prompts", default=None, help="a JSONL prompt file (data.read_prompts' formats) to use "
+                   "instead of Spec-Bench, as one category named after the file; e.g. the lab's held-out code")
+    p.add_argument("--num-prompts", type=int, default=64, help="prompts taken from --prompts, spread evenly")
     p.add_argument("--max-prompt-len", type=int, default=1024)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--batch-size", type=int, default=8)
@@ -179,9 +182,14 @@ def main(argv=None):
     encode = chat_encoder(tokenizer)
     stops = [tokenizer.eos_token_id]
     prompts, skipped = {}, {}
-    for name, texts in read_datasets(args.spec_bench, None).items():
-        ids = [encode([{"role": "user", "content": t}]) for t in texts]
-        prompts[name], skipped[name] = pick(ids, args.per_category, args.max_prompt_len)
+    if args.prompts:
+        name = os.path.splitext(os.path.basename(args.prompts))[0]
+        ids = [encode(m) for m in read_prompts(args.prompts)]
+        prompts[name], skipped[name] = pick(ids, args.num_prompts, args.max_prompt_len)
+    else:
+        for name, texts in read_datasets(args.spec_bench, None).items():
+            ids = [encode([{"role": "user", "content": t}]) for t in texts]
+            prompts[name], skipped[name] = pick(ids, args.per_category, args.max_prompt_len)
     rows = sorted((len(ids), name, i) for name, ps in prompts.items() for i, ids in enumerate(ps))
     batches = [[prompts[n][i] for _, n, i in rows[j : j + args.batch_size]]
                for j in range(0, len(rows), args.batch_size)]
@@ -192,8 +200,9 @@ def main(argv=None):
         if d.cfg.retrace is not None:
             methods[f"{name}-off"] = (d, False)
 
-    result = {"target": target_dir, "drafters": dict(drafter_dirs), "spec_bench": args.spec_bench,
-              "per_category": args.per_category, "max_new_tokens": args.max_new_tokens, "temperature": 0,
+    result = {"target": target_dir, "drafters": dict(drafter_dirs), "spec_bench": None if args.prompts else args.spec_bench,
+              "prompts": args.prompts,
+              "per_category": args.num_prompts if args.prompts else args.per_category, "max_new_tokens": args.max_new_tokens, "temperature": 0,
               "skipped_too_long": skipped, "methods": {}}
     plain = None
     if args.check_plain:

@@ -142,3 +142,56 @@ def test_resume_repeats_the_uninterrupted_run(built, tmp_path):
     assert done[0]["event"] == "skip"
     with pytest.raises(SystemExit, match="lr"):
         bt.build(dataclasses.replace(cfg_b, lr=1e-3, steps=5), ("train",), log=done.append)
+
+
+def _load_lab(name):
+    spec = importlib.util.spec_from_file_location(f"lab_{name}", os.path.join(ROOT, "lab", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_code_pieces_are_whole_lines_within_the_token_range(prepared):
+    """lab/build_prompts.py: every piece is a run of whole lines of its file (the last newline left off),
+    between min and max tokens, never cut, and the set is a function of the seed."""
+    from transformers import AutoTokenizer
+
+    bp = _load_lab("build_prompts")
+    cfg, _ = prepared
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_dir)
+    texts = [(d["path"], d["text"]) for d in bt._read_json(os.path.join(cfg.data_dir, "train_docs.json"))]
+    pieces = bp.code_pieces(texts, 20, tokenizer, seed=3, min_tokens=12, max_tokens=40)
+    by_path = dict(texts)
+    for piece in pieces:
+        path, line = piece["source"].rsplit(":", 1)
+        lines = by_path[path].splitlines(keepends=True)
+        first = int(line) - 1
+        assert not piece["prompt"].endswith("\n")
+        assert (by_path[path].splitlines(keepends=True)[first:] and
+                "".join(lines[first:]).startswith(piece["prompt"] + "\n"))
+        assert 12 <= len(tokenizer.encode(piece["prompt"] + "\n")) <= 40
+    assert len({p["source"] for p in pieces}) == 20
+    assert pieces == bp.code_pieces(texts, 20, tokenizer, seed=3, min_tokens=12, max_tokens=40)
+    assert pieces != bp.code_pieces(texts, 20, tokenizer, seed=4, min_tokens=12, max_tokens=40)
+
+
+def test_bootstrap_ratio_of_tau_over_prompts_and_seeds():
+    """lab/evaluate.py: the point ratio in both conventions, a degenerate interval when nothing varies,
+    and an interval that contains the point and widens when the seeds disagree."""
+    ev = _load_lab("evaluate")
+    y = {0: [[2, 2], [3, 1]], 1: [[2, 2], [3, 1]]}  # τ per prompt 2, 2; pooled 8/4
+    same = ev.bootstrap_ratio(y, y, samples=200)
+    assert same["tau"]["ratio"] == 1.0 and same["tau"]["ci95"] == [1.0, 1.0]
+    x = {0: [[4, 4], [6, 2]], 1: [[4, 4], [6, 2]]}
+    double = ev.bootstrap_ratio(x, y, samples=200)
+    assert double["tau"]["ratio"] == pytest.approx(2.0) and double["tau_pooled"]["ratio"] == pytest.approx(2.0)
+    assert double["tau"]["ci95"] == pytest.approx([2.0, 2.0])
+    noisy = {0: [[4, 4], [6, 2]], 1: [[2, 2], [3, 1]], 2: [[3], [3, 3]]}
+    r = ev.bootstrap_ratio(noisy, y, samples=500)
+    lo, hi = r["tau"]["ci95"]
+    assert lo < r["tau"]["ratio"] < hi and hi - lo > 0.3
+    # pooled: tokens over rounds of the resampled seeds and prompts
+    assert r["tau_pooled"]["ratio"] == pytest.approx(np.mean([16 / 4, 8 / 4, 9 / 3]) / 2.0)
+    assert ev.parse_drafters(["A=x", "B:1=y", "B:2=z"]) == {"A": {0: "x"}, "B": {1: "y", 2: "z"}}
+    with pytest.raises(SystemExit):
+        ev.parse_drafters(["B:one=y"])

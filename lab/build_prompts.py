@@ -1,0 +1,115 @@
+"""Prompt sets of the laboratory pair: pieces of Python source, cut at line boundaries, as JSONL.
+
+    python lab/build_prompts.py        # lab/work/prompts/{train,heldout}.jsonl
+
+- ``train.jsonl``: pieces of the standard-library files that trained the target (``lab/build_target.py``:
+  the same file list). The drafters are trained on the target's own greedy continuations of them.
+- ``heldout.jsonl``: pieces of the held-out packages' files (optax and flax), which no training step of
+  the target or of a drafter saw. The A/B/C evaluation runs on these.
+
+A piece starts at the first line of a randomly chosen place in a randomly chosen file (files drawn in
+proportion to their length) and takes whole lines until it has at least ``min_tokens`` tokens of the lab
+tokenizer; pieces longer than ``max_tokens`` are drawn again, so none is ever cut. The last line's newline
+is left off: the byte-level BPE joins a newline with the next line's indentation into one token, so a
+piece that ends in a bare newline would end on a token that in the training text only comes before an
+unindented line (and the target would start a new ``class`` or ``def``). Every record is
+``{"prompt": text, "source": "path:first line"}``; the set is a function of ``--seed`` and the files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+LAB = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, LAB)
+sys.path.insert(0, os.path.dirname(LAB))
+
+import build_target  # noqa: E402  (the lab target's file lists)
+
+
+def read_texts(pairs) -> list[tuple[str, str]]:
+    """``(relative path, text)`` of the UTF-8 files among ``(root, relative path)`` pairs."""
+    out = []
+    for root, rel in pairs:
+        with open(os.path.join(root, rel), "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        if text.strip():
+            out.append((rel, text))
+    return out
+
+
+def code_pieces(texts, n: int, tokenizer, seed: int, min_tokens: int = 48, max_tokens: int = 128,
+                max_tries: int = 100_000) -> list[dict]:
+    """``n`` pieces of whole lines with ``min_tokens`` to ``max_tokens`` tokens (see the module docstring)."""
+    if min_tokens < 1 or max_tokens < min_tokens:
+        raise ValueError(f"need 1 <= min_tokens <= max_tokens, got {min_tokens}, {max_tokens}")
+    rng = np.random.default_rng(seed)
+    sizes = np.array([len(t) for _, t in texts], np.float64)
+    lines = [t.splitlines(keepends=True) for _, t in texts]
+    pieces, seen = [], set()
+    for _ in range(max_tries):
+        if len(pieces) == n:
+            break
+        f = int(rng.choice(len(texts), p=sizes / sizes.sum()))
+        first = int(rng.integers(len(lines[f])))
+        if (f, first) in seen or not lines[f][first].strip():
+            continue
+        text, count, last = "", 0, first
+        while last < len(lines[f]) and (count < min_tokens or not lines[f][last - 1].strip()):
+            text += lines[f][last]  # at least min_tokens, and never ending on a blank line
+            last += 1
+            count = len(tokenizer.encode(text))
+        if count < min_tokens or count > max_tokens or last >= len(lines[f]):
+            continue  # too short at the end of the file, or one very long line; never cut
+        seen.add((f, first))
+        pieces.append({"prompt": text.rstrip("\r\n"), "source": f"{texts[f][0]}:{first + 1}"})
+    if len(pieces) < n:
+        raise SystemExit(f"only {len(pieces)} of {n} pieces found in {max_tries} tries")
+    return pieces
+
+
+def write_jsonl(path: str, records) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    os.replace(path + ".tmp", path)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=os.path.join(LAB, "target"), help="the lab target (its tokenizer)")
+    p.add_argument("--out", default=os.path.join(LAB, "work", "prompts"))
+    p.add_argument("--train", type=int, default=4096, help="training pieces (standard library)")
+    p.add_argument("--heldout", type=int, default=256, help="held-out pieces (optax, flax)")
+    p.add_argument("--min-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    root, files = build_target.training_files()
+    sets = {"train": (read_texts([(root, f) for f in files]), args.train, args.seed),
+            "heldout": (read_texts(build_target.held_out_files()), args.heldout, args.seed + 1)}
+    for name, (texts, n, seed) in sets.items():
+        pieces = code_pieces(texts, n, tokenizer, seed, args.min_tokens, args.max_tokens)
+        path = os.path.join(args.out, f"{name}.jsonl")
+        write_jsonl(path, pieces)
+        lengths = [len(tokenizer.encode(r["prompt"])) for r in pieces]
+        print(json.dumps({"set": name, "path": path, "pieces": len(pieces), "files": len(texts),
+                          "tokens_min": min(lengths), "tokens_median": float(np.median(lengths)),
+                          "tokens_max": max(lengths)}))
+
+
+if __name__ == "__main__":
+    main()

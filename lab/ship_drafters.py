@@ -1,0 +1,37 @@
+"""Copies the seed-0 laboratory drafters into ``lab/drafters/{A,B,C}`` in bf16 (the committed copies).
+
+    python lab/ship_drafters.py      # after lab/run_experiment.sh (or the three train.py runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+LAB = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(LAB))
+
+import retrace_jax as rj  # noqa: E402
+
+RUNS = {"A": "A", "B": "B_s0", "C": "C_s0"}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=os.path.join(LAB, "target"))
+    p.add_argument("--runs", default=os.path.join(LAB, "work", "runs"))
+    p.add_argument("--out", default=os.path.join(LAB, "drafters"))
+    args = p.parse_args(argv)
+    target = rj.load_target(args.target)
+    for name, run in RUNS.items():
+        src = os.path.join(args.runs, run, "drafter")
+        drafter = rj.load_drafter(src, target)
+        dst = os.path.join(args.out, name)
+        rj.save_drafter(drafter, dst, dtype="bfloat16")
+        size = sum(os.path.getsize(os.path.join(dst, f)) for f in os.listdir(dst))
+        print(f"{name}: {src} -> {dst} (bf16, {size / 1e6:.1f} MB)")
+
+
+if __name__ == "__main__":
+    main()
