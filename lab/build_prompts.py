@@ -80,8 +80,7 @@ def code_pieces(texts, n: int, tokenizer, seed: int, min_tokens: int = 48, max_t
 def write_jsonl(path: str, records) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
+        f.writelines(json.dumps(r) + "\n" for r in records)
     os.replace(path + ".tmp", path)
 
 

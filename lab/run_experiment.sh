@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The laboratory A/B/C experiment of issue 14 (lab/README.md, "The drafters"; docs/results.md), stage by
+# stage. A train.py run resumes from its last Orbax checkpoint, and a run whose metrics.jsonl records
+# "done" is skipped, so rerunning the script continues where it stopped. Work files go to lab/work/
+# (ignored by git).
+#   pip install -e '.[bench]' && bash lab/run_experiment.sh
+#   SEEDS="0" ABLATIONS=0 bash lab/run_experiment.sh       # seed 0 of B and C only
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SEEDS="${SEEDS:-0 1 2}"
+ABLATIONS="${ABLATIONS:-1}"
+RUNS=lab/work/runs
+
+train() {  # train OUT CONFIG [--set KEY=VALUE ...]
+  local out=$1 config=$2
+  shift 2
+  if grep -qs '"event": "done"' "$out/metrics.jsonl"; then
+    echo "$out: done"
+  else
+    python train.py --config "$config" --set out="$out" "$@"
+  fi
+}
+
+python lab/build_prompts.py                                  # lab/work/prompts/{train,heldout}.jsonl
+train $RUNS/A lab/configs/A.yaml                             # regeneration, then A: DFlash from scratch
+for s in $SEEDS; do
+  train $RUNS/B_s$s lab/configs/B.yaml --set train.seed=$s    # A + K steps of DFlash
+  train $RUNS/C_s$s lab/configs/C.yaml --set train.seed=$s    # A + the same K steps of ReTrace
+done
+if [ "$ABLATIONS" = 1 ]; then                                # seed 0 of C, one key changed each
+  train $RUNS/C_sig_drafter lab/configs/C.yaml --set retrace.signals=drafter
+  train $RUNS/C_sig_target lab/configs/C.yaml --set retrace.signals=target
+  train $RUNS/C_no_gate lab/configs/C.yaml --set retrace.gate=false
+  train $RUNS/C_teacher lab/configs/C.yaml --set train.correction_source=teacher
+  train $RUNS/C_K2 lab/configs/C.yaml --set train.rounds=2
+fi
+python lab/ship_drafters.py                                  # lab/drafters/{A,B,C}: the seed-0 runs in bf16
