@@ -27,8 +27,14 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
+import retrace_jax.attention as attention_module  # noqa: E402
 from benchmarks.report import median_ms_from  # noqa: E402
-from retrace_jax.attention import cached_attention, fresh_attention, reference_attention  # noqa: E402
+from retrace_jax.attention import (  # noqa: E402
+    PALLAS_GPU_MAX_T,
+    cached_attention,
+    fresh_attention,
+    reference_attention,
+)
 from retrace_jax.plain_loop import plain_init, plain_step  # noqa: E402
 from retrace_jax.sampling import SamplingParams  # noqa: E402
 from retrace_jax.speculative_loop import SpeculativeStepper  # noqa: E402
@@ -70,6 +76,23 @@ def weight_bytes(module) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
 
 
+def plain_step_ms(tdef, tstate, batch, context, steps, attention="auto"):
+    """Milliseconds per plain decode step at ``batch`` rows of ``context`` tokens, and the compile time."""
+    sampling = SamplingParams.make()
+    stops = jnp.full((8,), -1, jnp.int32)
+    tokens = jnp.ones((batch, context), jnp.int32)
+    lens, live = jnp.full((batch,), context, jnp.int32), jnp.ones((batch,), bool)
+    init = jax.jit(lambda s, t: plain_init(nnx.merge(tdef, s), t, lens, live, 10**6, stops, sampling,
+                                           capacity=4 * steps + 64, attention=attention))
+    step = jax.jit(lambda s, consts, c: plain_step(nnx.merge(tdef, s), consts, c), donate_argnums=2)
+    c_init = compile_s(lambda: init(tstate, tokens))
+    consts, carry = init(tstate, tokens)
+    start = time.perf_counter()
+    ms = median_ms_from(lambda c: step(tstate, consts, c), carry, steps)
+    c_step = time.perf_counter() - start - steps * ms / 1e3  # the first call's compile
+    return ms, c_init + c_step
+
+
 def decode_rows(name, target, drafter, block_size, batches, context, steps, dtype, gbs):
     rows = []
     tdef, tstate = nnx.split(target)
@@ -77,27 +100,20 @@ def decode_rows(name, target, drafter, block_size, batches, context, steps, dtyp
     stops = jnp.full((8,), -1, jnp.int32)
     wbytes = weight_bytes(target)
     for batch in batches:
-        tokens = jnp.ones((batch, context), jnp.int32)
-        lens, live = jnp.full((batch,), context, jnp.int32), jnp.ones((batch,), bool)
-        init = jax.jit(lambda s, t: plain_init(nnx.merge(tdef, s), t, lens, live, 10**6, stops, sampling,
-                                               capacity=4 * steps + 64))
-        step = jax.jit(lambda s, consts, c: plain_step(nnx.merge(tdef, s), consts, c), donate_argnums=2)
-        c_init = compile_s(lambda: init(tstate, tokens))
-        consts, carry = init(tstate, tokens)
-        start = time.perf_counter()
-        ms = median_ms_from(lambda c: step(tstate, consts, c), carry, steps)
-        c_step = time.perf_counter() - start - steps * ms / 1e3  # the first call's compile
+        ms, compile_time = plain_step_ms(tdef, tstate, batch, context, steps)
         roof_ms = None if gbs is None else 1e3 * wbytes / (gbs * 1e9)
         rows.append({"model": name, "what": "plain decode step", "batch": batch, "context": context,
                      "ms": round(ms, 3), "tokens_per_s": round(1e3 * batch / ms, 1),
                      "roofline_ms": None if roof_ms is None else round(roof_ms, 3),
                      "of_roofline": None if roof_ms is None else round(roof_ms / ms, 2),
-                     "compile_s": round(c_init + c_step, 1)})
+                     "compile_s": round(compile_time, 1)})
     plain_ms = rows[0]["ms"]
     # verify pass and full round at batch 1
     ids = drafter.cfg.target_layer_ids
     cache = target.init_cache(1, context + 2 * block_size, dtype).replace(lengths=jnp.full((1,), context, jnp.int32))
-    verify = jax.jit(lambda s, c, b: nnx.merge(tdef, s)(b, c, feature_layers=ids).hidden)
+    verify = jax.jit(lambda s, c, b, attention="auto": nnx.merge(tdef, s)(b, c, feature_layers=ids,
+                                                                         attention=attention).hidden,
+                     static_argnames="attention")
     blk = jnp.ones((1, block_size), jnp.int32)
     c_verify = compile_s(lambda: verify(tstate, cache, blk))
     verify_ms = median_ms_from(lambda _: verify(tstate, cache, blk), (), steps)
@@ -121,6 +137,26 @@ def decode_rows(name, target, drafter, block_size, batches, context, steps, dtyp
                  "vs_plain_step": round(round_ms / plain_ms, 2), "compile_s": round(c_round, 1),
                  "break_even_tau": round(round_ms / plain_ms, 2),
                  f"speedup_at_tau_{PUBLISHED_TAU}": round(PUBLISHED_TAU * plain_ms / round_ms, 2)})
+    for attention in kernels("decode")[1:]:  # decode kernels against the default ("auto": chunked) rows above
+        for row in [r for r in rows if r["what"] == "plain decode step" and r["batch"] in (1, 8)]:
+            what = f"plain decode step ({attention})"
+            try:
+                ms, compile_time = plain_step_ms(tdef, tstate, row["batch"], context, steps, attention)
+            except Exception as e:  # noqa: BLE001  (a kernel that fails here is a result to report)
+                rows.append({"model": name, "what": what, "batch": row["batch"], "error": failure(e)})
+                continue
+            rows.append({"model": name, "what": what, "batch": row["batch"], "context": context, "ms": round(ms, 3),
+                         "tokens_per_s": round(1e3 * row["batch"] / ms, 1), "vs_auto": round(ms / row["ms"], 2),
+                         "compile_s": round(compile_time, 1)})
+        what = f"verify pass ({block_size} tokens, {attention})"
+        try:
+            c_kernel = compile_s(lambda attention=attention: verify(tstate, cache, blk, attention))
+            ms = median_ms_from(lambda _, attention=attention: verify(tstate, cache, blk, attention), (), steps)
+        except Exception as e:  # noqa: BLE001
+            rows.append({"model": name, "what": what, "batch": 1, "error": failure(e)})
+            continue
+        rows.append({"model": name, "what": what, "batch": 1, "context": context, "ms": round(ms, 3),
+                     "vs_auto": round(ms / verify_ms, 2), "compile_s": round(c_kernel, 1)})
     return rows
 
 
@@ -129,17 +165,22 @@ def failure(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 
-def kernels() -> tuple[str, ...]:
-    """The attention implementations to time here: the chunked JAX path everywhere, cuDNN's flash
-    attention for prefills on NVIDIA GPUs."""
-    return ("chunked", "cudnn") if jax.default_backend() == "gpu" else ("chunked",)
+def kernels(kind: str = "prefill") -> tuple[str, ...]:
+    """The attention implementations to time here, the chunked JAX path first. Prefill: cuDNN's flash
+    attention on NVIDIA GPUs, Pallas splash attention on TPUs. Decode: the Pallas GPU decode kernel on
+    GPUs."""
+    if attention_module.PALLAS_INTERPRET:  # --pallas-interpret: both Pallas kernels, interpreted, anywhere
+        return ("chunked", {"prefill": "pallas_tpu", "decode": "pallas_gpu"}[kind])
+    kernel = {("prefill", "gpu"): "cudnn", ("prefill", "tpu"): "pallas_tpu",
+              ("decode", "gpu"): "pallas_gpu"}.get((kind, jax.default_backend()))
+    return ("chunked",) if kernel is None else ("chunked", kernel)
 
 
 def prefill_rows(name, target, lengths, repeats):
     rows = []
     tdef, tstate = nnx.split(target)
     for length in lengths:
-        for attention in kernels():
+        for attention in kernels("prefill"):
             fn = jax.jit(lambda s, t, attention=attention: prefill(
                 nnx.merge(tdef, s), t, jnp.full((1,), length, jnp.int32), nnx.merge(tdef, s).init_cache(1, length),
                 attention=attention)[0])
@@ -157,22 +198,27 @@ def prefill_rows(name, target, lengths, repeats):
 
 
 def parity_rows(dtype):
-    """The default attention path against the dense reference, on this device, in ``dtype``."""
+    """The default attention path and the kernels against the dense reference, on this device, in
+    ``dtype``: a decode step, a verify-like block (each query one slot further) and a prefill."""
     rows = []
     rng = np.random.default_rng(0)
     for t, s, limit in ((1, 4096, 3000), (16, 4096, 1500), (512, 2048, None)):
         k = jnp.asarray(rng.standard_normal((1, 2, s, 8, 128)), dtype)
         v = jnp.asarray(rng.standard_normal((1, 2, s, 8, 128)), dtype)
         q = jnp.asarray(rng.standard_normal((2, t, 32, 128)), dtype)
-        lim = (jnp.full((2, t), limit, jnp.int32) if limit else jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) + 1,
-                                                                                   (2, t)))
-        got = jax.jit(lambda q, k, v, lim: cached_attention(q, k, v, 0, lim))(q, k, v, lim)
+        lim = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) + (limit or 1), (2, t))
         mask = jnp.arange(s)[None, None, :] < lim[:, :, None]
         want = reference_attention(q.astype(jnp.float32), k[0].astype(jnp.float32), v[0].astype(jnp.float32), mask)
-        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)))
-        rows.append({"model": "attention", "what": f"auto vs reference, {t} queries, {s} slots", "dtype": jnp.dtype(dtype).name,
-                     "max_abs_err": f"{err:.2e}"})
-    if "cudnn" in kernels():  # the prefill kernel against the reference with a causal mask
+        for attention in ("auto",) + (kernels("decode")[1:] if t <= PALLAS_GPU_MAX_T else ()):
+            try:
+                got = jax.jit(lambda q, k, v, lim, attention=attention: cached_attention(
+                    q, k, v, 0, lim, implementation=attention))(q, k, v, lim)
+                err = f"{float(jnp.max(jnp.abs(got.astype(jnp.float32) - want))):.2e}"
+            except Exception as e:  # noqa: BLE001  (a kernel that fails here is a result to report)
+                err = failure(e)
+            rows.append({"model": "attention", "what": f"{attention} vs reference, {t} queries, {s} slots",
+                         "dtype": jnp.dtype(dtype).name, "max_abs_err": err})
+    for attention in kernels("prefill")[1:]:  # the prefill kernels against the reference with a causal mask
         t = 2048
         q = jnp.asarray(rng.standard_normal((2, t, 32, 128)), dtype)
         k = jnp.asarray(rng.standard_normal((2, t, 8, 128)), dtype)
@@ -180,11 +226,11 @@ def parity_rows(dtype):
         causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (2, t, t))
         want = reference_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), causal)
         try:
-            got = jax.jit(lambda q, k, v: fresh_attention(q, k, v, "cudnn"))(q, k, v)
+            got = jax.jit(lambda q, k, v, attention=attention: fresh_attention(q, k, v, attention))(q, k, v)
             err = f"{float(jnp.max(jnp.abs(got.astype(jnp.float32) - want))):.2e}"
         except Exception as e:  # noqa: BLE001
             err = failure(e)
-        rows.append({"model": "attention", "what": f"cudnn prefill vs reference, {t} queries", "dtype":
+        rows.append({"model": "attention", "what": f"{attention} prefill vs reference, {t} queries", "dtype":
                      jnp.dtype(dtype).name, "max_abs_err": err})
     return rows
 
@@ -201,8 +247,12 @@ def main():
     p.add_argument("--smoke", action="store_true", help="tiny shapes on any device (minutes on a CPU)")
     p.add_argument("--presets", default="qwen3-4b,qwen3-8b")
     p.add_argument("--out-dir", default=".")
+    p.add_argument("--pallas-interpret", action="store_true",
+                   help="add the Pallas kernels' rows in Pallas' interpret mode on any backend (slow; checks this "
+                        "script's kernel rows on a CPU before a device runs them)")
     p.add_argument("--budget-s", type=float, default=420, help="skip what is left after this many seconds")
     args = p.parse_args()
+    attention_module.PALLAS_INTERPRET = args.pallas_interpret
     start = time.perf_counter()
     device = jax.devices()[0]
     dtype = jnp.float32 if args.smoke or device.platform == "cpu" else jnp.bfloat16

@@ -87,8 +87,9 @@ def generate(
     buckets reuse the compiled program.
 
     ``cache_dtype`` ("float32" or "bfloat16"; default: the target's dtype) stores both KV caches in that
-    type. ``attention`` chooses the attention implementation ("auto", "chunked", "dense" or "cudnn"; see
-    ``retrace_jax/attention.py``): the default walks the caches only up to the filled length.
+    type. ``attention`` chooses the attention implementation ("auto", "chunked", "dense", "cudnn",
+    "pallas_gpu" or "pallas_tpu"; see ``retrace_jax/attention.py``): the default walks the caches only up to
+    the filled length.
     ``layer_loop`` runs the target's layers with one ``lax.scan`` ("scan": compile time independent of
     depth) or as a Python loop over per-layer weight slices made once ("unrolled": faster steps on CPU,
     where a scan copies each layer's weights at every step; compile time grows with depth); "auto" is

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from retrace_jax.attention import attention_beside_context, cached_attention, fresh_attention
+from retrace_jax.attention import FRESH_KERNELS, attention_beside_context, cached_attention, fresh_attention
 from retrace_jax.config import ModelConfig
 from retrace_jax.kv_cache import KVCache
 from retrace_jax.layers import DecoderBlock, RMSNorm, linear
@@ -138,8 +138,8 @@ class TargetModel(nnx.Module):
         and are never read. ``feature_layers`` (static) selects layers whose features are returned
         concatenated; ``attention`` picks the implementation (see ``retrace_jax/attention.py``);
         ``scan_layers`` runs the layers as one scan even after :meth:`unroll_layers`. ``fresh`` promises
-        that the cache holds nothing yet (a prefill), so that ``attention="cudnn"`` can attend over the
-        new tokens alone (:func:`~retrace_jax.attention.fresh_attention`)."""
+        that the cache holds nothing yet (a prefill), so that ``attention="cudnn"`` or ``"pallas_tpu"`` can
+        attend over the new tokens alone (:func:`~retrace_jax.attention.fresh_attention`)."""
         t = tokens_bt.shape[1]
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
         offsets = cache.lengths
@@ -147,8 +147,8 @@ class TargetModel(nnx.Module):
         def attend_at(layer, cache):
             def attend(q, k, v):
                 cache_ = cache.write(layer, k, v, offsets)
-                if fresh and attention == "cudnn":
-                    return fresh_attention(q, k, v, "cudnn"), cache_
+                if fresh and attention in FRESH_KERNELS:
+                    return fresh_attention(q, k, v, attention), cache_
                 return cached_attention(q, cache_.k, cache_.v, layer, positions + 1, implementation=attention), cache_
 
             return attend
