@@ -450,6 +450,7 @@ def _save_checkpoint(module, hf: dict, specs: list[WeightSpec], path: str, dtype
             json.dump(hf, f, indent=2)
         tensors = {k: v.astype(dtype) for k, v in export_tensors(module, specs).items()}
         save_file(tensors, os.path.join(tmp, SINGLE_FILE), metadata={"format": "pt"})
+        os.chmod(os.path.join(tmp, SINGLE_FILE), _default_dir_mode() & 0o666)  # safetensors writes it private
         for file in kept:
             shutil.copy2(os.path.join(path, file), os.path.join(tmp, file))
         _swap_in(tmp, path)

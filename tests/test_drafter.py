@@ -2,6 +2,8 @@
 
 import dataclasses
 import json
+import os
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +87,10 @@ def test_cached_draft_equals_forward_and_hides_stale_context(drafter):
 
 def test_save_load_round_trip(target, drafter, tmp_path):
     rj.save_drafter(drafter, str(tmp_path))
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for name in ("config.json", "model.safetensors"):  # the usual file mode, not private to the writer
+        assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o666 & ~umask, name
     loaded = rj.load_drafter(str(tmp_path), target)
     assert loaded.cfg == drafter.cfg
     for (p, a), (_, b) in zip(nnx.to_flat_state(nnx.state(drafter)), nnx.to_flat_state(nnx.state(loaded))):
