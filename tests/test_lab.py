@@ -195,3 +195,23 @@ def test_bootstrap_ratio_of_tau_over_prompts_and_seeds():
     assert ev.parse_drafters(["A=x", "B:1=y", "B:2=z"]) == {"A": {0: "x"}, "B": {1: "y", 2: "z"}}
     with pytest.raises(SystemExit):
         ev.parse_drafters(["B:one=y"])
+
+
+def test_shipped_lab_drafters_load_and_decode_losslessly():
+    """lab/drafters/{A,B,C} load with the public API next to lab/target (C with its ReTrace module), and
+    their greedy output equals the target's own."""
+    from transformers import AutoTokenizer
+
+    lab = os.path.join(ROOT, "lab")
+    target = rj.load_target(os.path.join(lab, "target"))
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(lab, "target"))
+    prompts = [tokenizer.encode("def mean(values):\n    total = 0\n    for v in values:"),
+               tokenizer.encode("class Stack:\n    def __init__(self):")]
+    plain = rj.generate(target, prompts, 40, stop_token_ids=[tokenizer.eos_token_id]).tokens
+    for name in ("A", "B", "C"):
+        drafter = rj.load_drafter(os.path.join(lab, "drafters", name), target)
+        assert drafter.cfg.block_size == 16 and drafter.cfg.mask_token_id == tokenizer.mask_token_id
+        assert (drafter.cfg.retrace is not None) == (name == "C")
+        out = rj.generate(target, prompts, 40, drafter=drafter, stop_token_ids=[tokenizer.eos_token_id])
+        assert out.tokens == plain, name
+        assert out.tau() > 1.0, name
