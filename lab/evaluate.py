@@ -194,7 +194,7 @@ def save(result: dict, out: str | None) -> None:
     if out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out + ".tmp", "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump(result, f, separators=(",", ":"))  # compact: it holds every round's length
         os.replace(out + ".tmp", out)
 
 
