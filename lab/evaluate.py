@@ -9,12 +9,12 @@ and T = 1, both conventions, with bootstrap confidence intervals of ratios over 
   τ is the mean over its seeds. A ReTrace drafter is also run with its memory off (``NAME-off``:
   ``use_retrace=False``), the inference ablation.
 - Prompts: ``--num-prompts`` pieces of ``--prompts`` (default: the held-out optax/flax pieces of
-  ``lab/build_prompts.py``), spread evenly over the file. Every row of a batch decodes exactly as it
-  would alone, so batching does not change τ.
+  ``lab/build_prompts.py``), spread evenly over the file, in fixed batches. At T = 0 every row decodes
+  exactly as it would alone. At T = 1 batch ``j`` samples with seed ``j`` (row ``r`` of it with the
+  stream ``(j, r)``), so every prompt has its own random stream, the same one for every method.
 - τ is the mean number of tokens a round commits, the target's own token included. ``tau``: the mean
   over prompts of each prompt's mean over its rounds; ``tau_pooled``: all tokens over all rounds.
-- At T = 0 every method's tokens are checked against plain greedy decoding (``lossless_T0``). At T = 1
-  the sampling seed of a prompt is the same for every method.
+- At T = 0 every method's tokens are checked against plain greedy decoding (``lossless_T0``).
 - ``--compare X/Y``: the ratio τ(X)/τ(Y) with a 95% percentile bootstrap interval. One bootstrap sample
   draws the prompts with replacement (the same draw for X and Y: they are paired by prompt) and, for a
   method with several seeds, its seeds with replacement; the ratio is then taken of the resampled means,
@@ -61,7 +61,11 @@ def spread(items: list, n: int) -> list:
 
 
 def tau_arrays(lengths: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per prompt: mean acceptance length, tokens committed, rounds."""
+    """Per prompt: mean acceptance length, tokens committed, rounds. A prompt without rounds (the target
+    stopped at once) has no τ: refused, rather than a NaN that would spread into every mean."""
+    empty = [i for i, a in enumerate(lengths) if not a]
+    if empty:
+        raise ValueError(f"prompts {empty[:5]} ended before their first round; leave them out of the set")
     return (np.array([np.mean(a) for a in lengths]), np.array([sum(a) for a in lengths], np.float64),
             np.array([len(a) for a in lengths], np.float64))
 
@@ -148,9 +152,9 @@ def main(argv=None):
 
     def run(temp: float, kwargs: dict) -> tuple[list[list[int]], list[list[int]]]:
         lengths, tokens = [None] * len(prompts), [None] * len(prompts)
-        for idx in batches:
+        for j, idx in enumerate(batches):
             out = rj.generate(target, [prompts[i] for i in idx], args.max_new_tokens, temperature=temp,
-                              stop_token_ids=stops, seed=0, **kwargs)
+                              stop_token_ids=stops, seed=j, **kwargs)
             for i, t, a in zip(idx, out.tokens, out.acceptance_lengths):
                 tokens[i], lengths[i] = t, a
         return lengths, tokens

@@ -1,6 +1,6 @@
 """τ against training steps for the laboratory runs: the ``eval`` records of their ``metrics.jsonl``
 (real speculative decoding of the 32 held-out standard-library pieces at T = 0, every ``eval_every``
-steps), with drafter A's final evaluation as step 0 of B and C.
+steps), with drafter A's final evaluation as step 0 of B and C. Runs still training are left out.
 
     python lab/plot_training.py --out docs/lab_tau_vs_steps.png
 """
@@ -44,8 +44,12 @@ def main(argv=None) -> None:
     for run in sorted(glob.glob(os.path.join(args.runs, "[BC]_s*"))):
         name = os.path.basename(run)
         m = re.fullmatch(r"([BC])_s(\d+)", name)
-        if not m or not os.path.exists(os.path.join(run, "metrics.jsonl")):
+        path = os.path.join(run, "metrics.jsonl")
+        if not m or not os.path.exists(path):
             continue
+        with open(path) as f:
+            if not any(json.loads(line).get("event") == "done" for line in f):
+                continue  # still training: plotted once finished
         points = ([(0, start)] if start is not None else []) + evals(run)
         ax.plot([s for s, _ in points], [t for _, t in points], marker="o", ms=3, color=colors[m[1]],
                 alpha=1.0 if m[2] == "0" else 0.5, label=f"{m[1]} seed {m[2]}")

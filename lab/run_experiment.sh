@@ -21,7 +21,9 @@ train() {  # train OUT CONFIG [--set KEY=VALUE ...]
   fi
 }
 
-python lab/build_prompts.py                                  # lab/work/prompts/{train,heldout}.jsonl
+if [ ! -f lab/work/prompts/train.jsonl ] || [ ! -f lab/work/prompts/heldout.jsonl ]; then
+  python lab/build_prompts.py                                # lab/work/prompts/{train,heldout}.jsonl
+fi
 train $RUNS/A lab/configs/A.yaml                             # regeneration, then A: DFlash from scratch
 for s in $SEEDS; do
   train $RUNS/B_s$s lab/configs/B.yaml --set train.seed=$s    # A + K steps of DFlash

@@ -182,10 +182,14 @@ def test_bootstrap_ratio_of_tau_over_prompts_and_seeds():
     y = {0: [[2, 2], [3, 1]], 1: [[2, 2], [3, 1]]}  # τ per prompt 2, 2; pooled 8/4
     same = ev.bootstrap_ratio(y, y, samples=200)
     assert same["tau"]["ratio"] == 1.0 and same["tau"]["ci95"] == [1.0, 1.0]
-    x = {0: [[4, 4], [6, 2]], 1: [[4, 4], [6, 2]]}
-    double = ev.bootstrap_ratio(x, y, samples=200)
+    # prompts of different τ: only a bootstrap that draws the same prompts for both keeps the ratio at 2
+    y2 = {0: [[2, 2], [4, 4], [1, 1, 1]]}
+    x2 = {0: [[4, 4], [8, 8], [2, 2, 2]]}
+    double = ev.bootstrap_ratio(x2, y2, samples=200)
     assert double["tau"]["ratio"] == pytest.approx(2.0) and double["tau_pooled"]["ratio"] == pytest.approx(2.0)
-    assert double["tau"]["ci95"] == pytest.approx([2.0, 2.0])
+    assert double["tau"]["ci95"] == pytest.approx([2.0, 2.0]) and double["tau_pooled"]["ci95"] == pytest.approx([2.0, 2.0])
+    with pytest.raises(ValueError, match="before their first round"):
+        ev.bootstrap_ratio({0: [[2], []]}, {0: [[2], [3]]}, samples=10)
     noisy = {0: [[4, 4], [6, 2]], 1: [[2, 2], [3, 1]], 2: [[3], [3, 3]]}
     r = ev.bootstrap_ratio(noisy, y, samples=500)
     lo, hi = r["tau"]["ci95"]
