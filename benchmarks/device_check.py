@@ -82,8 +82,11 @@ def plain_step_ms(tdef, tstate, batch, context, steps, attention="auto"):
     stops = jnp.full((8,), -1, jnp.int32)
     tokens = jnp.ones((batch, context), jnp.int32)
     lens, live = jnp.full((batch,), context, jnp.int32), jnp.ones((batch,), bool)
+    # cache slots (context + capacity) a multiple of 64, so that "pallas_gpu" runs its kernel rather than
+    # falling back to chunked (its blocks tile the slots) also at the smoke run's small sizes
+    capacity = -(-(context + 4 * steps + 64) // 64) * 64 - context
     init = jax.jit(lambda s, t: plain_init(nnx.merge(tdef, s), t, lens, live, 10**6, stops, sampling,
-                                           capacity=4 * steps + 64, attention=attention))
+                                           capacity=capacity, attention=attention))
     step = jax.jit(lambda s, consts, c: plain_step(nnx.merge(tdef, s), consts, c), donate_argnums=2)
     c_init = compile_s(lambda: init(tstate, tokens))
     consts, carry = init(tstate, tokens)
