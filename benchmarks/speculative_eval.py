@@ -218,11 +218,13 @@ def main(argv=None):
         plot_lengths(result, args.plot)
 
 
-def save(result: dict, out: str | None) -> None:
+def save(result: dict, out: str | None, compact: bool = False) -> None:
+    """Writes ``result`` as JSON to ``out`` (nothing when None), atomically; ``compact`` leaves out the
+    indentation (for results that hold every round's length)."""
     if out:
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         with open(out + ".tmp", "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump(result, f, **({"separators": (",", ":")} if compact else {"indent": 1}))
         os.replace(out + ".tmp", out)
 
 

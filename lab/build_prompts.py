@@ -33,18 +33,9 @@ import build_target  # noqa: E402  (the lab target's file lists)
 
 
 def read_texts(pairs) -> list[tuple[str, str]]:
-    """``(relative path, text)`` of the UTF-8 files among ``(root, relative path)`` pairs."""
-    out = []
-    for root, rel in pairs:
-        with open(os.path.join(root, rel), "rb") as f:
-            raw = f.read()
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-        if text.strip():
-            out.append((rel, text))
-    return out
+    """``(relative path, text)`` of the files among ``(root, relative path)`` pairs that the target's
+    build reads (UTF-8, not empty: ``build_target.read_docs``)."""
+    return [(d["path"], d["text"]) for d in build_target.read_docs(pairs)]
 
 
 def code_pieces(texts, n: int, tokenizer, seed: int, min_tokens: int = 48, max_tokens: int = 128,

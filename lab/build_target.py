@@ -121,7 +121,7 @@ def held_out_files(max_files: int | None = None) -> list[tuple[str, str]]:
     return out[:max_files]
 
 
-def _read_docs(pairs) -> list[dict]:
+def read_docs(pairs) -> list[dict]:
     docs = []
     for root, rel in pairs:
         with open(os.path.join(root, rel), "rb") as f:
@@ -154,8 +154,8 @@ def stage_data(cfg: BuildConfig, log) -> None:
         return
     os.makedirs(cfg.data_dir, exist_ok=True)
     root, train = training_files(cfg.max_train_files)
-    train_docs = _read_docs((root, f) for f in train)
-    held_docs = _read_docs(held_out_files(cfg.max_heldout_files))
+    train_docs = read_docs((root, f) for f in train)
+    held_docs = read_docs(held_out_files(cfg.max_heldout_files))
     _write_json(os.path.join(cfg.data_dir, "train_docs.json"), train_docs)
     _write_json(os.path.join(cfg.data_dir, "heldout_docs.json"), held_docs)
     manifest = {"python": sys.version.split()[0], "stdlib": root, "excluded_dirs": list(EXCLUDED_DIRS),

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
 import time
@@ -36,6 +35,7 @@ LAB = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(LAB))
 
 import retrace_jax as rj  # noqa: E402
+from benchmarks.speculative_eval import pick, save  # noqa: E402
 from retrace_jax.data import chat_encoder, load_tokenizer, read_prompts  # noqa: E402
 
 
@@ -51,13 +51,6 @@ def parse_drafters(items: list[str]) -> dict[str, dict[int, str]]:
             raise SystemExit(f"--drafter {name}:{seed or 0} given twice")
         out[name][int(seed or 0)] = os.path.expanduser(path)
     return dict(out)
-
-
-def spread(items: list, n: int) -> list:
-    """``n`` items spread evenly over the list."""
-    if n > len(items):
-        raise SystemExit(f"{n} prompts asked, the file has {len(items)}")
-    return [items[int(i)] for i in np.linspace(0, len(items) - 1, n).round()]
 
 
 def tau_arrays(lengths: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -118,6 +111,7 @@ def main(argv=None):
     p.add_argument("--prompts", default=os.path.join(LAB, "work", "prompts", "heldout.jsonl"))
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--drafter", action="append", default=[], help="NAME[:SEED]=DIR (repeatable)")
+    p.add_argument("--max-prompt-len", type=int, default=1024, help="longer prompts are skipped (and counted), never cut")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--temperatures", default="0,1")
@@ -131,12 +125,13 @@ def main(argv=None):
     tokenizer = load_tokenizer(args.target)
     encode = chat_encoder(tokenizer)
     stops = [tokenizer.eos_token_id]
-    prompts = spread([encode(m) for m in read_prompts(args.prompts)], args.num_prompts)
+    prompts, skipped = pick([encode(m) for m in read_prompts(args.prompts)], args.num_prompts, args.max_prompt_len)
     order = np.argsort([len(q) for q in prompts], kind="stable")  # tight padding buckets per batch
     batches = [order[i : i + args.batch_size] for i in range(0, len(order), args.batch_size)]
 
+    drafter_dirs = parse_drafters(args.drafter)
     methods: dict[str, dict[int, dict]] = {}
-    for name, seeds in parse_drafters(args.drafter).items():
+    for name, seeds in drafter_dirs.items():
         loaded = {s: rj.load_drafter(d, target) for s, d in seeds.items()}
         methods[name] = {s: {"drafter": d} for s, d in loaded.items()}
         if all(d.cfg.retrace is not None for d in loaded.values()):
@@ -147,7 +142,7 @@ def main(argv=None):
             raise SystemExit(f"--compare {cmp!r}: expected X/Y with methods among {sorted(methods)}")
 
     result = {"target": args.target, "prompts": args.prompts, "num_prompts": args.num_prompts,
-              "max_new_tokens": args.max_new_tokens, "drafters": parse_drafters(args.drafter),
+              "max_new_tokens": args.max_new_tokens, "drafters": drafter_dirs, "skipped_too_long": skipped,
               "tau": {}, "lossless_T0": {}, "compare": {}, "lengths": {}}
 
     def run(temp: float, kwargs: dict) -> tuple[list[list[int]], list[list[int]]]:
@@ -179,7 +174,7 @@ def main(argv=None):
             print(f"[{key}] {method}: tau {s['tau']:.3f} pooled {s['tau_pooled']:.3f} over {len(per_seed)} seed(s)"
                   + (f", {differing} rows differ from plain" if plain is not None else "")
                   + f" ({time.perf_counter() - start:.0f} s)", flush=True)
-            save(result, args.out)
+            save(result, args.out, compact=True)
         result["compare"][key] = {}
         for cmp in args.compare:
             x, _, y = cmp.partition("/")
@@ -189,17 +184,9 @@ def main(argv=None):
                 print(f"[{key}] {cmp}: {r['tau']['ratio']:.4f} [{r['tau']['ci95'][0]:.4f}, {r['tau']['ci95'][1]:.4f}]"
                       f" pooled {r['tau_pooled']['ratio']:.4f} [{r['tau_pooled']['ci95'][0]:.4f}, "
                       f"{r['tau_pooled']['ci95'][1]:.4f}]", flush=True)
-        save(result, args.out)
+        save(result, args.out, compact=True)
     print_table(result)
     return result
-
-
-def save(result: dict, out: str | None) -> None:
-    if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out + ".tmp", "w") as f:
-            json.dump(result, f, separators=(",", ":"))  # compact: it holds every round's length
-        os.replace(out + ".tmp", out)
 
 
 def print_table(result: dict) -> None:
