@@ -17,15 +17,16 @@ from tests.helpers import hf_greedy
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _load_build():
-    spec = importlib.util.spec_from_file_location("lab_build_target", os.path.join(ROOT, "lab", "build_target.py"))
+def _load_lab(name):
+    """The script ``lab/{name}.py`` as a module."""
+    spec = importlib.util.spec_from_file_location(f"lab_{name}", os.path.join(ROOT, "lab", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
 
-bt = _load_build()
+bt = _load_lab("build_target")
 
 
 def tiny_config(work, out=None, **overrides):
@@ -142,13 +143,6 @@ def test_resume_repeats_the_uninterrupted_run(built, tmp_path):
     assert done[0]["event"] == "skip"
     with pytest.raises(SystemExit, match="lr"):
         bt.build(dataclasses.replace(cfg_b, lr=1e-3, steps=5), ("train",), log=done.append)
-
-
-def _load_lab(name):
-    spec = importlib.util.spec_from_file_location(f"lab_{name}", os.path.join(ROOT, "lab", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_code_pieces_are_whole_lines_within_the_token_range(prepared):
