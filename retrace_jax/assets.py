@@ -612,17 +612,19 @@ def mix_prompts(sources: list[tuple[str, str, int | None]], out: str, eval_paths
         random.Random(f"{seed}/{name}").shuffle(order)
         st = dict.fromkeys(MIX_COUNTS, 0)
         st["read"] = len(records)
+        met: set[str] = set()  # this set's prompts so far, taken or not
         for i in order:
             rid, category, chat = records[i]
             key = normalise(chat[-1]["content"])
             why = index.reason(key)
             if why is not None:
                 st[why] += 1
-            elif key in seen:
+            elif key in met or key in seen:
                 st["duplicate"] += 1
             else:
-                seen.add(key)
+                met.add(key)
                 if count is None or st["taken"] < count:
+                    seen.add(key)
                     chosen.append({"id": f"{name}/{rid}", "source": name, "category": category or name,
                                    "messages": chat})
                     st["taken"] += 1
