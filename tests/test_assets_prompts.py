@@ -245,3 +245,6 @@ def test_mix_command_line(tmp_path, capsys):
             assets.parse_take(bad)
     with pytest.raises(ValueError, match="neither a prompt set"):
         assets.mix_main(["--out", str(out), "--take", "no_such_set=3", "--eval", evals[0]])
+    no_text = write_jsonl(tmp_path / "no_text.jsonl", [{"question_id": 1, "answer": "42"}])
+    with pytest.raises(DataError, match=r"no_text\.jsonl:1: no prompt text"):
+        assets.mix_main(["--out", str(out), "--take", f"{chat}=all", "--eval", no_text])
