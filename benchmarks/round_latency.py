@@ -32,6 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import retrace_jax as rj  # noqa: E402
 from benchmarks.device_check import PRESETS  # noqa: E402  (Qwen3-4B/8B shapes, published drafter)
 from benchmarks.report import median_ms_from, report  # noqa: E402
+from retrace_jax.draft_vocab import draft_head, head_logits  # noqa: E402
+from retrace_jax.drafter import with_draft_vocab  # noqa: E402
 from retrace_jax.plain_loop import PlainStepper  # noqa: E402
 from retrace_jax.sampling import SamplingParams  # noqa: E402
 from retrace_jax.speculative_loop import SpeculativeStepper, draft_block  # noqa: E402
@@ -72,7 +74,10 @@ def main():
     p.add_argument("--layers", type=int, default=TINY_QWEN3.num_layers)
     p.add_argument("--vocab", type=int, default=TINY_QWEN3.vocab_size)
     p.add_argument("--drafter-layers", type=int, default=2)
-    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per block (default: the drafter's; 8 for a random drafter)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="draft over this many token ids (a draft vocabulary; the first N ids: the cost is the same)")
     p.add_argument("--context", type=int, default=64, help="tokens already in the caches")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--target", default=None, help="a Hugging Face directory instead of random weights")
@@ -98,10 +103,13 @@ def main():
         target = tiny_target(cfg=cfg, dtype=args.dtype)
     if args.drafter:
         drafter = rj.load_drafter(os.path.expanduser(args.drafter), target, dtype=args.dtype)
-        args.block_size = drafter.cfg.block_size
+        args.block_size = args.block_size or drafter.cfg.block_size
     else:
+        args.block_size = args.block_size or 8
         drafter = rj.init_drafter(cfg, mask_token_id=cfg.vocab_size - 1, num_layers=args.drafter_layers,
                                   block_size=args.block_size, dtype=jnp.dtype(args.dtype))
+    if args.draft_vocab:
+        drafter = with_draft_vocab(drafter, np.arange(args.draft_vocab))
     tdef, tstate = nnx.split(target)
     ddef, dstate = nnx.split(drafter)
     k = args.block_size
@@ -114,6 +122,7 @@ def main():
     plain = PlainStepper(target, capacity=2 * k + 16)
     plain_carry = plain.init(tokens, lens, live, 10**6, stops, sampling)
     stepper = SpeculativeStepper(target, drafter, capacity=2 * k + 16, block_size=k)
+    head = draft_head(target, drafter)
     first = stepper.init(tokens, lens, live, 10**6, stops, sampling)
 
     def one_round(state):
@@ -129,13 +138,13 @@ def main():
         return nnx.merge(tdef, ts)(block, cache, feature_layers=ids).hidden
 
     @jax.jit
-    def draft(ts, ds, cache, anchor):
+    def draft(ts, ds, head, cache, anchor):
         m, d = nnx.merge(tdef, ts), nnx.merge(ddef, ds)
-        return jnp.argmax(m.logits(draft_block(m, d, anchor, cache, k)[:, 1:]), -1)
+        return jnp.argmax(head_logits(m, head, draft_block(m, d, anchor, cache, k)[:, 1:]), -1)
 
     ms = {
         "plain_step_ms": median_ms_from(one_step, plain_carry, args.iters),
-        "draft_ms": timed(lambda: draft(tstate, dstate, first.draft_cache, first.anchor_b), n=args.iters),
+        "draft_ms": timed(lambda: draft(tstate, dstate, head, first.draft_cache, first.anchor_b), n=args.iters),
         "verify_ms": timed(lambda: verify(tstate, first.target_cache, jnp.zeros((1, k), jnp.int32)), n=args.iters),
         "round_ms": median_ms_from(one_round, first, args.iters),
     }
@@ -143,10 +152,11 @@ def main():
     # the same inside rj.generate's loop, where acceptance, commits and the ReTrace memory also run
     prompt = [[1 + i % (cfg.vocab_size - 1) for i in range(args.context)]]
     ms["plain_step_in_loop_ms"] = in_loop_ms(target, prompt, {}, args.iters)
-    ms["round_in_loop_ms"] = in_loop_ms(target, prompt, {"drafter": drafter}, args.iters)
+    ms["round_in_loop_ms"] = in_loop_ms(target, prompt, {"drafter": drafter, "block_size": k}, args.iters)
     ms["rest_of_round_ms"] = round_ms - ms["draft_ms"] - ms["verify_ms"]  # context update, acceptance, memory
     result = {"target": described,
-              "drafter": f"{drafter.cfg.num_layers} layers, block {k}" + (" (ReTrace)" if drafter.cfg.retrace else ""),
+              "drafter": f"{drafter.cfg.num_layers} layers, block {k}" + (" (ReTrace)" if drafter.cfg.retrace else "")
+              + (f", draft vocabulary {drafter.cfg.draft_vocab_size}" if drafter.cfg.draft_vocab_size else ""),
               "device": jax.devices()[0].platform, "context": args.context,
               **{key: round(v, 4) for key, v in ms.items()},
               # a round must commit this many tokens on average (tau) to match plain decoding's speed

@@ -7,7 +7,7 @@ Shape letters used across the library:
     H  query heads                     K  KV heads (H = K * G)
     G  query heads per KV head         D  head dim (``d``: model width)
     C  cache slots per chunk           E  extra keys attended next to the cache (the drafter's block)
-    V  vocabulary
+    V  vocabulary                      U  draft vocabulary (``retrace_jax/draft_vocab.py``)
 
 Two implementations share one meaning:
 

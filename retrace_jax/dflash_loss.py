@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from retrace_jax.draft_vocab import DraftHead, draft_head, head_logits, to_draft_index, to_target_ids
 from retrace_jax.drafter import DFlashDrafter
 from retrace_jax.target import TargetModel
 
@@ -128,18 +129,38 @@ class LossMetrics(NamedTuple):
     tau: jax.Array  # mean over blocks of 1 + leading correct slots: the acceptance length they imply
 
 
-def block_loss(logits_bakv, blocks: BlockBatch) -> LossMetrics:
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits_bakv.astype(jnp.float32), blocks.labels_bak)
-    w = blocks.weights_bak
-    loss = jnp.sum(ce * w) / jnp.maximum(jnp.sum(w), 1e-6)
+def slot_loss(logits_bajv, labels_baj, weights_baj) -> LossMetrics:
+    """Loss and metrics of the drafted slots ``1..K-1`` of each block (``J = K - 1``; the given slot 0
+    has no loss). A label ``-1`` is a token outside the draft vocabulary: its slot counts as wrong and
+    adds no loss (no logit can score it)."""
+    learnable = labels_baj >= 0
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits_bajv.astype(jnp.float32),
+                                                         jnp.maximum(labels_baj, 0))
+    w = weights_baj
+    loss = jnp.sum(ce * w * learnable) / jnp.maximum(jnp.sum(w * learnable), 1e-6)
     counted = w > 0
-    correct = (jnp.argmax(logits_bakv, -1) == blocks.labels_bak) & counted
+    correct = (jnp.argmax(logits_bajv, -1) == labels_baj) & counted
     slot_acc = jnp.sum(correct, (0, 1)) / jnp.maximum(jnp.sum(counted, (0, 1)), 1)
-    # Leading run of correct slots 1..K-1 (a slot without a label ends the run).
-    lead = jnp.sum(jnp.cumprod(correct[:, :, 1:].astype(jnp.int32), axis=-1), -1)
-    block_valid = counted[:, :, 1]
+    # Leading run of correct slots (a slot without a label ends the run).
+    lead = jnp.sum(jnp.cumprod(correct.astype(jnp.int32), axis=-1), -1)
+    block_valid = counted[:, :, 0]
     tau = jnp.sum((1 + lead) * block_valid) / jnp.maximum(jnp.sum(block_valid), 1)
-    return LossMetrics(loss, slot_acc, tau)
+    return LossMetrics(loss, jnp.concatenate([jnp.zeros((1,), slot_acc.dtype), slot_acc]), tau)
+
+
+def block_loss(logits_bakv, blocks: BlockBatch) -> LossMetrics:
+    """:func:`slot_loss` of full-vocabulary logits of every slot (slot 0 included and ignored)."""
+    return slot_loss(logits_bakv[:, :, 1:], blocks.labels_bak[:, :, 1:], blocks.weights_bak[:, :, 1:])
+
+
+def score_blocks(target: TargetModel, head: DraftHead | None, hidden_bakd, blocks: BlockBatch):
+    """The loss metrics of drafted blocks and their proposals ``[B, A, K-1]`` (the argmax of each slot, as
+    target token ids). The LM head runs on the drafted slots only, over the draft vocabulary of ``head``
+    (:func:`~retrace_jax.draft_vocab.draft_head`; None: the whole vocabulary)."""
+    logits = batch_sharded(head_logits(target, head, hidden_bakd[:, :, 1:]))
+    labels = to_draft_index(head, blocks.labels_bak[:, :, 1:], target.cfg.vocab_size)
+    metrics = slot_loss(logits, labels, blocks.weights_bak[:, :, 1:])
+    return metrics, to_target_ids(head, jnp.argmax(logits, -1).astype(jnp.int32))
 
 
 def dflash_loss(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss_mask_bs, anchors_ba, valid_ba,
@@ -153,4 +174,4 @@ def dflash_loss(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss_mas
     else:
         features = jax.lax.stop_gradient(features_bsf)
     hidden = draft_blocks(drafter, target, sequence_context(drafter, features), blocks, remat=remat)
-    return block_loss(batch_sharded(target.logits(hidden)), blocks)
+    return score_blocks(target, draft_head(target, drafter), hidden, blocks)[0]

@@ -20,6 +20,7 @@ from flax import nnx
 
 from retrace_jax.config import ConfigError, rope_theta
 from retrace_jax.attention import attention_beside_context, cached_attention
+from retrace_jax.draft_vocab import DraftVocab, check_ids
 from retrace_jax.kv_cache import KVCache
 from retrace_jax.layers import BlockSpec, DecoderBlock, RMSNorm, linear
 from retrace_jax.retrace import Memory, ReTraceConfig, ReTraceFusion
@@ -55,8 +56,14 @@ class DrafterConfig:
     vocab_size: int
     attention_bias: bool = False
     retrace: ReTraceConfig | None = None  # set for a ReTrace drafter
+    draft_vocab_size: int | None = None  # U: proposals come from U token ids (retrace_jax/draft_vocab.py)
 
     def __post_init__(self):
+        u = self.draft_vocab_size
+        if u is not None and (isinstance(u, bool) or not isinstance(u, numbers.Integral)
+                              or not 1 <= u <= self.vocab_size):
+            raise ConfigError(f"draft_vocab_size must be an integer in [1, vocab_size {self.vocab_size}] or "
+                              f"absent, got {u!r}")
         repeated = sorted(i for i, n in collections.Counter(self.target_layer_ids).items() if n > 1)
         if repeated:
             warnings.warn(
@@ -108,6 +115,7 @@ class DrafterConfig:
             vocab_size=int(hf["vocab_size"]),
             attention_bias=bool(hf.get("attention_bias", False)),
             retrace=ReTraceConfig.from_hf(hf.get("retrace_config")),
+            draft_vocab_size=hf.get("draft_vocab_size"),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -137,6 +145,8 @@ class DrafterConfig:
         }
         if self.retrace is not None:
             hf["retrace_config"] = self.retrace.to_hf()
+        if self.draft_vocab_size is not None:  # its ids are in draft_vocab.safetensors
+            hf["draft_vocab_size"] = self.draft_vocab_size
         return hf
 
 
@@ -154,6 +164,8 @@ class DFlashDrafter(nnx.Module):
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
         if cfg.retrace is not None:
             self.retrace = ReTraceFusion(cfg.retrace, d, d, dtype=dtype, rngs=rngs)
+        if cfg.draft_vocab_size is not None:  # the first U ids until set_draft_vocab or a checkpoint says
+            self.draft_vocab = DraftVocab(jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32))
 
     @property
     def dtype(self):
@@ -219,16 +231,19 @@ class DFlashDrafter(nnx.Module):
 
 def init_drafter(target_cfg, *, mask_token_id: int, num_layers: int = 1, block_size: int = 16,
                  target_layer_ids=None, intermediate_size=None, retrace: ReTraceConfig | None = None,
-                 dtype=jnp.float32, seed: int = 0) -> DFlashDrafter:
+                 dtype=jnp.float32, seed: int = 0, draft_vocab=None) -> DFlashDrafter:
     """A randomly initialised drafter shaped for ``target_cfg`` (a :class:`~retrace_jax.ModelConfig`):
     the target's width, heads and RoPE; features from ``target_layer_ids`` (official default if None).
-    With ``retrace`` it is a ReTrace drafter whose fusion starts at zero (exactly DFlash)."""
+    With ``retrace`` it is a ReTrace drafter whose fusion starts at zero (exactly DFlash). ``draft_vocab``
+    (ascending token ids, e.g. from :func:`~retrace_jax.draft_vocab.frequent_tokens`) limits its
+    proposals to those tokens; None: the whole vocabulary."""
     for name, value, low in (("num_layers", num_layers, 1), ("block_size", block_size, 2)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
             raise ValueError(f"init_drafter: {name} must be an integer >= {low}, got {value!r}")
     if not isinstance(mask_token_id, numbers.Integral) or not 0 <= mask_token_id < target_cfg.vocab_size:
         raise ValueError(f"init_drafter: mask_token_id must be a token id in [0, {target_cfg.vocab_size}), "
                          f"got {mask_token_id!r}")
+    ids = None if draft_vocab is None else check_ids(draft_vocab, target_cfg.vocab_size, "init_drafter: draft_vocab")
     cfg = DrafterConfig(
         hidden_size=target_cfg.hidden_size,
         intermediate_size=intermediate_size or target_cfg.intermediate_size,
@@ -245,5 +260,53 @@ def init_drafter(target_cfg, *, mask_token_id: int, num_layers: int = 1, block_s
         num_target_layers=target_cfg.num_layers,
         vocab_size=target_cfg.vocab_size,
         retrace=retrace,
+        draft_vocab_size=None if ids is None else len(ids),
     )
-    return DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+    drafter = DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+    if ids is not None:
+        drafter.draft_vocab.set_value(jnp.asarray(ids))
+    return drafter
+
+
+def with_draft_vocab(drafter: DFlashDrafter, ids) -> DFlashDrafter:
+    """A copy of the drafter (sharing its weights) that proposes only from ``ids`` (ascending token ids);
+    ``ids=None``: over the whole vocabulary."""
+    graphdef, state = nnx.split(drafter)
+    new = nnx.merge(graphdef, state)
+    if ids is None:
+        if hasattr(new, "draft_vocab"):
+            del new.draft_vocab
+        new.cfg = dataclasses.replace(drafter.cfg, draft_vocab_size=None)
+        return new
+    ids = check_ids(ids, drafter.cfg.vocab_size, "with_draft_vocab: ids")
+    new.cfg = dataclasses.replace(drafter.cfg, draft_vocab_size=len(ids))
+    new.draft_vocab = DraftVocab(jnp.asarray(ids))
+    return new
+
+
+def init_layers_from_target(drafter: DFlashDrafter, target, layer_ids) -> DFlashDrafter:
+    """A copy of the drafter whose decoder layer ``i`` starts from target layer ``layer_ids[i]``: every
+    weight the two blocks share (attention projections, MLP, norms) is copied. What only the drafter
+    has keeps its value: the q/k norms when the target has none (Llama, Qwen2), the feature projection
+    ``fc`` and the norms around it; target biases the drafter lacks are left out."""
+    ids = [int(i) for i in layer_ids]
+    if len(ids) != drafter.cfg.num_layers:
+        raise ValueError(f"init_layers_from_target: {len(ids)} layer ids for a drafter of {drafter.cfg.num_layers} "
+                         f"layers")
+    slices = target.layer_slices()
+    bad = [i for i in ids if not 0 <= i < len(slices)]
+    if bad:
+        raise ValueError(f"init_layers_from_target: layers {bad} are not among the target's 0..{len(slices) - 1}")
+    drafter = nnx.clone(drafter)  # its own variables: the caller's drafter stays as it was
+    flat = dict(nnx.to_flat_state(nnx.state(drafter)))
+    for i, layer in enumerate(ids):
+        for path, var in nnx.to_flat_state(slices[layer]):
+            mine = flat.get(("layers", i) + tuple(path))
+            if mine is None:
+                continue
+            value = var.get_value()
+            if value.shape != mine.get_value().shape:
+                raise ValueError(f"init_layers_from_target: target layer {layer} {'.'.join(map(str, path))} has "
+                                 f"shape {value.shape}, the drafter's {mine.get_value().shape}")
+            mine.set_value(jnp.asarray(value, mine.get_value().dtype))
+    return drafter

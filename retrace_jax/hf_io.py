@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from retrace_jax import draft_vocab
 from retrace_jax.config import ConfigError, ModelConfig, read_config_json
 from retrace_jax.drafter import DFlashDrafter, DrafterConfig
 from retrace_jax.retrace import ReTraceConfig, ReTraceFusion
@@ -385,8 +386,40 @@ def load_drafter(path: str, target: TargetModel, dtype=None, *, retrace: bool | 
         fresh = {("retrace",) + p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(init))}
     elif cfg.retrace is not None:
         specs = all_drafter_specs(cfg)
+    vocab = read_draft_vocab(path, cfg)
+    if vocab is not None:
+        fresh = {**(fresh or {}), ("draft_vocab",): jnp.asarray(vocab)}
     return load_into(module, specs, reader, dtype, aliases=strip_prefix(reader.names(), "model."),
                      ignore=ignore, fresh=fresh, mesh=mesh)
+
+
+def read_draft_vocab(path: str, cfg: DrafterConfig) -> np.ndarray | None:
+    """The draft vocabulary stored beside a drafter checkpoint (``retrace_jax/draft_vocab.py``), checked
+    against its ``config.json``; None for a drafter over the whole vocabulary."""
+    file = os.path.join(path, draft_vocab.FILE)
+    if cfg.draft_vocab_size is None:
+        if os.path.exists(file):
+            raise CheckpointError(f"{file} is there but {os.path.join(path, 'config.json')} has no draft_vocab_size; "
+                                  f"remove the file or add the field")
+        return None
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{os.path.join(path, 'config.json')} has draft_vocab_size {cfg.draft_vocab_size} "
+                                f"but {file} is missing")
+    try:
+        with safe_open(file, framework="numpy") as f:
+            if draft_vocab.TENSOR not in f.keys():
+                raise CheckpointError(f"{file} lacks the tensor {draft_vocab.TENSOR!r}")
+            ids = f.get_tensor(draft_vocab.TENSOR)
+    except (OSError, SafetensorError) as err:
+        raise CheckpointError(f"{file} cannot be read: {err}") from None
+    try:
+        ids = draft_vocab.check_ids(ids, cfg.vocab_size, file)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
+    if len(ids) != cfg.draft_vocab_size:
+        raise CheckpointError(f"{file} holds {len(ids)} token ids, config.json says draft_vocab_size "
+                              f"{cfg.draft_vocab_size}")
+    return ids
 
 
 def model_specs(module) -> list[WeightSpec]:
@@ -421,7 +454,12 @@ def save_drafter(drafter: DFlashDrafter, path: str, dtype=None) -> None:
     ``pytorch_model.bin``) are not, so they cannot shadow the new weights. Replacing an existing directory
     takes two renames (old out, new in); a process killed between them leaves the old checkpoint as
     ``.NAME.old-*`` beside ``path``."""
-    _save_checkpoint(drafter, drafter.cfg.to_hf(), all_drafter_specs(drafter.cfg), path, dtype, "save_drafter")
+    extra = None
+    if drafter.cfg.draft_vocab_size is not None:  # beside the official layout (retrace_jax/draft_vocab.py)
+        ids = np.asarray(jax.device_get(drafter.draft_vocab.get_value()), np.int32)
+        extra = {draft_vocab.FILE: {draft_vocab.TENSOR: ids}}
+    _save_checkpoint(drafter, drafter.cfg.to_hf(), all_drafter_specs(drafter.cfg), path, dtype, "save_drafter",
+                     extra)
 
 
 def save_target(target: TargetModel, path: str, dtype=None, extra_config: dict | None = None) -> None:
@@ -433,8 +471,10 @@ def save_target(target: TargetModel, path: str, dtype=None, extra_config: dict |
     _save_checkpoint(target, hf, target_specs(target.cfg), path, dtype, "save_target")
 
 
-def _save_checkpoint(module, hf: dict, specs: list[WeightSpec], path: str, dtype, caller: str) -> None:
-    """The atomic save behind :func:`save_drafter` and :func:`save_target`."""
+def _save_checkpoint(module, hf: dict, specs: list[WeightSpec], path: str, dtype, caller: str,
+                     extra: dict | None = None) -> None:
+    """The atomic save behind :func:`save_drafter` and :func:`save_target`; ``extra`` maps more
+    safetensors file names to their tensors (written as they are)."""
     dtype = resolve_dtype(dtype if dtype is not None else module.dtype)
     path = os.path.abspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
@@ -450,7 +490,10 @@ def _save_checkpoint(module, hf: dict, specs: list[WeightSpec], path: str, dtype
             json.dump(hf, f, indent=2)
         tensors = {k: v.astype(dtype) for k, v in export_tensors(module, specs).items()}
         save_file(tensors, os.path.join(tmp, SINGLE_FILE), metadata={"format": "pt"})
-        os.chmod(os.path.join(tmp, SINGLE_FILE), _default_dir_mode() & 0o666)  # safetensors writes it private
+        for file, file_tensors in {SINGLE_FILE: None, **(extra or {})}.items():
+            if file_tensors is not None:
+                save_file(file_tensors, os.path.join(tmp, file))
+            os.chmod(os.path.join(tmp, file), _default_dir_mode() & 0o666)  # safetensors writes it private
         for file in kept:
             shutil.copy2(os.path.join(path, file), os.path.join(tmp, file))
         _swap_in(tmp, path)

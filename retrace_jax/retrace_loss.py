@@ -16,8 +16,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from retrace_jax.dflash_loss import (LossMetrics, batch_sharded, block_loss, block_visibility, build_blocks,
-                                     default_gamma, draft_blocks, sequence_context)
+from retrace_jax.dflash_loss import (LossMetrics, batch_sharded, block_visibility, build_blocks, default_gamma,
+                                     draft_blocks, score_blocks, sequence_context)
+from retrace_jax.draft_vocab import draft_head
 from retrace_jax.drafter import DFlashDrafter
 from retrace_jax.retrace import Memory, shift_memory
 from retrace_jax.target import TargetModel, forward_beside_context
@@ -91,6 +92,7 @@ def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss
     seq = target(tokens_bs, target.init_cache(b, s), feature_layers=cfg.target_layer_ids)
     seq = jax.lax.stop_gradient(seq)
     ctx_kv = sequence_context(drafter, seq.features)
+    head = draft_head(target, drafter)
 
     metrics, accepted_all, anchors_all, valid_all, memories, hiddens = [], [], [], [], [], []
     anchors, valid, memory, accepted = anchors_ba, valid_ba, None, None  # accepted: set by each round
@@ -103,9 +105,8 @@ def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss
             memories.append(memory)
         blocks = build_blocks(tokens_bs, loss_mask_bs, anchors, valid, k, cfg.mask_token_id, gamma)
         hidden = draft_blocks(drafter, target, ctx_kv, blocks, memory, beta, remat=remat)
-        logits = batch_sharded(target.logits(hidden))
-        metrics.append(block_loss(logits, blocks))
-        proposals = jnp.argmax(logits[:, :, 1:], -1).astype(jnp.int32)  # [B, A, K-1]
+        m, proposals = score_blocks(target, head, hidden, blocks)  # proposals [B, A, K-1]
+        metrics.append(m)
         # A proposal is accepted when it equals the sequence token, as long as that token is a real label.
         labelled = blocks.weights_bak[:, :, 1:] > 0
         truth = jnp.where(labelled, blocks.labels_bak[:, :, 1:], -1)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from retrace_jax.commit import OutputBuffer, commit
+from retrace_jax.draft_vocab import DraftHead, draft_head, head_logits, to_full_vocab, to_target_ids
 from retrace_jax.kv_cache import KVCache
 from retrace_jax.plain_loop import StepConstants
 from retrace_jax.retrace import Memory, shift_memory
@@ -47,6 +48,7 @@ class RoundConstants(StepConstants):
     static fields shape the compiled program."""
 
     block_size: int = struct.field(pytree_node=False, default=16)
+    draft_head: DraftHead | None = None  # the drafter's LM head over its draft vocabulary, if it has one
 
 
 class RoundInfo(NamedTuple):
@@ -57,7 +59,7 @@ class RoundInfo(NamedTuple):
     accepted_b: jax.Array  # [B] a
     proposals_bk: jax.Array  # [B, K] the drafter's tokens for block slots 1..K
     tokens_bk: jax.Array  # [B, K + 1] the round's tokens; the first a + 1 are committed
-    draft_logits_bkv: jax.Array  # [B, K, V]
+    draft_logits_bkv: jax.Array  # [B, K, V] (-inf outside a draft vocabulary)
 
 
 def draft_block(target, drafter, anchor_b, draft_cache: KVCache, block_size: int, memory: Memory | None = None,
@@ -69,17 +71,21 @@ def draft_block(target, drafter, anchor_b, draft_cache: KVCache, block_size: int
     return drafter.draft(target.embed(block), draft_cache, memory, attention=attention)
 
 
-def make_proposals(keys_b, draft_logits_bkv, sampling: SamplingParams, mode: SamplingMode):
+def make_proposals(keys_b, draft_logits_bkv, sampling: SamplingParams, mode: SamplingMode,
+                   head: DraftHead | None = None):
     """The drafter's tokens ``[B, K]``: argmax (``draft_rule`` "argmax", "target_sample" and greedy), or
-    draws from its filtered distribution q (``draft_rule="sample"``)."""
+    draws from its filtered distribution q (``draft_rule="sample"``). With a draft vocabulary ``head``
+    the logits are ``[B, K, U]`` over it, and the tokens come back as target ids."""
     if mode.sample and mode.draft_rule == "sample":
         keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys_b)
-        return jax.vmap(jax.random.categorical)(keys, sampling.logprobs(draft_logits_bkv, mode)).astype(jnp.int32)
-    return jnp.argmax(draft_logits_bkv, -1).astype(jnp.int32)
+        index = jax.vmap(jax.random.categorical)(keys, sampling.logprobs(draft_logits_bkv, mode))
+    else:
+        index = jnp.argmax(draft_logits_bkv, -1)
+    return to_target_ids(head, index.astype(jnp.int32))
 
 
 def verify_round(keys_b, proposals_bk, draft_logits_bkv, target_logits_bjv, sampling: SamplingParams,
-                 mode: SamplingMode):
+                 mode: SamplingMode, head: DraftHead | None = None):
     """Accepted count ``a`` and the round's tokens ``[B, K + 1]``, of which the first ``a + 1`` are
     committed. Greedy: exact match with the target's argmax; ``draft_rule="target_sample"``: match with
     the target's own samples (the official DFlash rule); else rejection sampling."""
@@ -90,7 +96,10 @@ def verify_round(keys_b, proposals_bk, draft_logits_bkv, target_logits_bjv, samp
     keys = jax.vmap(lambda k: jax.random.fold_in(k, 2))(keys_b)
     if mode.draft_rule == "target_sample":
         return target_sample_match(keys, proposals_bk, sampling.logprobs(target_logits_bjv, mode))
-    draft_logp = sampling.logprobs(draft_logits_bkv, mode) if mode.draft_rule == "sample" else None
+    draft_logp = None
+    if mode.draft_rule == "sample":  # q over the whole vocabulary (zero outside a draft vocabulary)
+        vocab = target_logits_bjv.shape[-1]
+        draft_logp = to_full_vocab(head, sampling.logprobs(draft_logits_bkv, mode), vocab)
     a, next_b = rejection_sample(keys, proposals_bk, sampling.logprobs(target_logits_bjv, mode), draft_logp)
     return a, committed_tokens(proposals_bk, jnp.broadcast_to(next_b[:, None], target_logits_bjv.shape[:2]), a)
 
@@ -111,7 +120,8 @@ def speculative_init(models, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids
     draft_cache = drafter.extend_cache(features, drafter.init_cache(batch, max_len, cache_dtype).constrain(mesh))
     draft_cache = draft_cache.replace(lengths=prompt_lens_b)
     consts = RoundConstants(row_keys(sampling.seed, batch), jnp.asarray(max_new, jnp.int32), stop_ids, sampling,
-                            block_size=block_size, mode=mode, mesh=mesh, attention=attention)
+                            block_size=block_size, mode=mode, mesh=mesh, attention=attention,
+                            draft_head=draft_head(target, drafter))
     first_b = sampling.choose(step_keys(consts.keys_b, jnp.zeros((batch,), jnp.int32)), logits_bv, mode)
     buf = OutputBuffer.empty(batch, capacity, ~live_b)
     buf = commit(buf, first_b[:, None], jnp.ones((batch,), jnp.int32), consts.max_new, stop_ids)
@@ -139,12 +149,13 @@ def speculative_round(models, consts: RoundConstants, c: SpecCarry) -> tuple[Spe
     active = ~c.buf.done
     start = c.target_cache.lengths
     draft_hidden = draft_block(target, drafter, c.anchor_b, c.draft_cache, block_size, c.memory, consts.attention)
-    draft_logits = target.logits(draft_hidden[:, 1:])
+    head = consts.draft_head
+    draft_logits = head_logits(target, head, draft_hidden[:, 1:])  # [B, K, U] ([B, K, V] without a draft vocab)
     keys = step_keys(consts.keys_b, c.rounds_b + 1)
-    proposals = make_proposals(keys, draft_logits, consts.sampling, mode)
+    proposals = make_proposals(keys, draft_logits, consts.sampling, mode, head)
     block = jnp.concatenate([c.anchor_b[:, None], proposals], axis=1)
     out = target(block, c.target_cache, feature_layers=drafter.cfg.target_layer_ids, attention=consts.attention)
-    a, tokens = verify_round(keys, proposals, draft_logits, target.logits(out.hidden), consts.sampling, mode)
+    a, tokens = verify_round(keys, proposals, draft_logits, target.logits(out.hidden), consts.sampling, mode, head)
     buf = commit(c.buf, tokens, a + 1, consts.max_new, consts.stop_ids)
     # A row that finishes keeps its old start: its later (ignored) rounds then stay inside the caches.
     new_start = jnp.where(active & ~buf.done, start + a + 1, start)
@@ -161,7 +172,8 @@ def speculative_round(models, consts: RoundConstants, c: SpecCarry) -> tuple[Spe
         rounds_b=c.rounds_b + active.astype(jnp.int32),
         memory=None if c.memory is None else shift_memory(draft_hidden, out.hidden.astype(drafter.dtype), a),
     )
-    return carry, RoundInfo(active, start, a, proposals, tokens, draft_logits)
+    full_logits = to_full_vocab(head, draft_logits, target.cfg.vocab_size)  # for drivers; unused in the loop
+    return carry, RoundInfo(active, start, a, proposals, tokens, full_logits)
 
 
 @functools.partial(

@@ -70,6 +70,12 @@ class TargetModel(nnx.Module):
             return self.embed_tokens.attend(hidden_btd)
         return self.lm_head(hidden_btd)
 
+    def head_weight(self):
+        """The LM head's weight ``[V, d]`` (the embedding when tied)."""
+        if self.cfg.tie_word_embeddings:
+            return self.embed_tokens.embedding[...]
+        return self.lm_head.kernel[...].T
+
     def layer_slices(self) -> list:
         """The stacked blocks' parameters sliced into one pytree per layer (copies, on CPU)."""
         _, params = nnx.split(self.layers)

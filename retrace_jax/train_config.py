@@ -119,9 +119,25 @@ class DrafterSection(Section):
     target_layer_ids: list[int] | None = doc("target layers whose features the drafter reads; null: the "
                                              "official default", None)
     intermediate_size: int | None = doc("MLP width of a new drafter; null: the target's", None)
+    init_layers: list[int] | None = doc("target layers whose weights start a new drafter's layers, one per "
+                                        "layer (e.g. the last ones); null: random", None)
+    draft_vocab: int | None = doc("a new drafter proposes only the N most frequent response tokens of the "
+                                  "training data (a draft vocabulary: its LM head is N rows of the target's, "
+                                  "cheaper to train and to run; retrace_jax/draft_vocab.py); null: the whole "
+                                  "vocabulary. With init: the checkpoint's, which must have this size", None)
 
     def problems(self, where):
         out = []
+        layers = self.init_layers
+        if layers is not None and (not isinstance(layers, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers)):
+            out.append(f"{where}init_layers must be a list of target layer indices or null, got {layers!r}")
+        elif layers is not None and self.init:
+            out.append(f"{where}init_layers starts a new drafter; with init the weights come from {self.init}")
+        elif layers is not None and _positive_int(self.num_layers) and len(layers) != self.num_layers:
+            out.append(f"{where}init_layers needs one target layer per drafter layer ({self.num_layers}), got {layers!r}")
+        if self.draft_vocab is not None and not _positive_int(self.draft_vocab):
+            out.append(f"{where}draft_vocab must be a positive integer or null, got {self.draft_vocab!r}")
         if not _positive_int(self.num_layers):
             out.append(f"{where}num_layers must be a positive integer, got {self.num_layers!r}")
         if not _positive_int(self.block_size) or self.block_size < 2:
@@ -170,8 +186,9 @@ class TrainSection(Section):
     grad_accum: int = doc("micro-steps averaged into one optimizer update", 1)
     compute_dtype: str = doc("float32, or bfloat16 (bf16 copies of the float32 master weights)", "float32")
     remat: bool = doc("recompute drafter layer activations in the backward pass", False)
-    feature_cache: bool = doc("DFlash, one process: compute the target features of all sequences once and "
-                              "keep them in host memory", False)
+    feature_cache: bool = doc("DFlash, one process: compute the target features of all sequences once, into "
+                              "a memory-mapped store beside the prepared data that later runs reuse "
+                              "(resumable; retrace_jax/feature_store.py)", False)
     gamma: float | None = doc("loss decay over block slots; null: the published value for the block size", None)
     rounds: int = doc("ReTrace: rounds of the on-policy rollout per anchor (>= 2): round 1 drafts without "
                       "memory, each later round re-anchors where the previous one's acceptance leaves it, with "

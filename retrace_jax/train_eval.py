@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,7 @@ from flax import nnx
 from retrace_jax.data import SequenceData
 from retrace_jax.dflash_loss import target_features
 from retrace_jax.distributed import barrier
+from retrace_jax.feature_store import FeatureStore, store_key
 from retrace_jax.generation import generate
 from retrace_jax.hf_io import save_drafter
 from retrace_jax.train_config import ConfigurationError
@@ -54,29 +55,26 @@ def export_drafter(drafter, path: str) -> str:
     return path
 
 
-FEATURE_CACHE_LIMIT = 16 << 30  # bytes of host memory the feature cache may take
+FEATURE_CACHE_LIMIT = 16 << 30  # kept for earlier callers: the feature cache is on disk now (feature_store.py)
 
 
-def cached_features(target, layer_ids, data: SequenceData, batch_size: int, log) -> np.ndarray:
-    """The frozen target's features of every sequence ``[N, seq_len, n*d]``, computed once (one process)."""
+def cached_features(target, layer_ids, data: SequenceData, batch_size: int, log, store_root: str,
+                    target_id: str = "") -> FeatureStore:
+    """The frozen target's features of every sequence, computed once into a :class:`FeatureStore` under
+    ``store_root`` (the prepared data's directory; one process) and reused by later runs. ``target_id``
+    (the target's path) is part of the store's key."""
     width = len(layer_ids) * target.cfg.hidden_size
-    itemsize = jnp.dtype(target.dtype).itemsize
-    size = len(data) * data.seq_len * width * itemsize
-    if size > FEATURE_CACHE_LIMIT:
-        raise ConfigurationError(f"train.feature_cache would take {size / 2**30:.1f} GiB of host memory "
-                                 f"(limit {FEATURE_CACHE_LIMIT / 2**30:.0f} GiB); compute features online instead")
+    key = store_key(target_id, layer_ids, data.seq_len, target.dtype, len(data))
+    store = FeatureStore(store_root, key, [len(t) for t in data.tokens], width)
+    if store.done < len(data):
+        free = shutil.disk_usage(store_root).free
+        if not os.path.exists(store.dir) and store.nbytes > free:
+            raise ConfigurationError(f"train.feature_cache needs {store.nbytes / 2**30:.1f} GiB in {store_root}, "
+                                     f"which has {free / 2**30:.1f} GiB free; compute features online instead")
     graphdef, state = nnx.split(target)
     fn = jax.jit(lambda st, tokens: target_features(nnx.merge(graphdef, st), tokens, tuple(layer_ids)))
-    out = np.zeros((len(data), data.seq_len, width), jnp.dtype(target.dtype))
-    start = time.perf_counter()
-    for i in range(0, len(data), batch_size):
-        idx = np.arange(i, min(i + batch_size, len(data)))
-        tokens = np.zeros((batch_size, data.seq_len), np.int32)
-        tokens[: len(idx)] = data.rows(idx)[0]
-        out[idx] = np.asarray(jax.device_get(fn(state, tokens)))[: len(idx)]
-    log({"event": "feature_cache", "sequences": len(data), "gib": round(size / 2**30, 3),
-         "seconds": round(time.perf_counter() - start, 1)})
-    return out
+    return store.build(lambda tokens: jax.device_get(fn(state, tokens)), lambda idx: data.rows(idx)[0], batch_size,
+                       log)
 
 
 class MetricsLog:

@@ -9,6 +9,7 @@ process runs this same loop (one command on every host).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -24,7 +25,8 @@ from flax import nnx
 from retrace_jax.checkpointing import Checkpoints, settings_differences
 from retrace_jax.data import SequenceData
 from retrace_jax.distributed import agree_any, initialize
-from retrace_jax.drafter import init_drafter
+from retrace_jax.draft_vocab import coverage, frequent_tokens, token_counts
+from retrace_jax.drafter import init_drafter, init_layers_from_target, with_draft_vocab
 from retrace_jax.hf_io import check_drafter_matches, load_drafter, shard_model
 from retrace_jax.retrace import ReTraceConfig
 from retrace_jax.retrace_loss import loss_weights
@@ -44,7 +46,9 @@ def maybe_initialize_distributed(setting) -> None:
     initialize(setting)
 
 
-def build_drafter(cfg, target, mesh):
+def build_drafter(cfg, target, mesh, data: SequenceData | None = None, log=None):
+    """The drafter to train: a new one, or ``drafter.init`` loaded. A new drafter with ``drafter.draft_vocab``
+    gets the most frequent response tokens of ``data`` (over the shards of every process)."""
     cfg = as_config(cfg)
     t, dc = cfg.train, cfg.drafter
     retrace = ReTraceConfig(**cfg.retrace.to_dict()) if t.objective == "retrace" else None
@@ -56,8 +60,32 @@ def build_drafter(cfg, target, mesh):
                                target_layer_ids=dc.target_layer_ids, intermediate_size=dc.intermediate_size,
                                retrace=retrace, seed=t.seed)
         check_drafter_matches(drafter.cfg, target.cfg)
+        if dc.init_layers is not None:
+            try:
+                drafter = init_layers_from_target(drafter, target, dc.init_layers)
+            except ValueError as err:
+                raise ConfigurationError(f"drafter.init_layers: {err}") from None
         if mesh is not None:
             drafter = shard_model(drafter, mesh)
+        if dc.draft_vocab is not None:
+            if data is None:
+                raise ConfigurationError("drafter.draft_vocab needs the prepared data to count tokens in")
+            counts = token_counts(data.tokens, data.mask, target.cfg.vocab_size)
+            if jax.process_count() > 1:  # every process chooses from the counts of all shards
+                from jax.experimental import multihost_utils
+
+                counts = np.asarray(multihost_utils.process_allgather(counts)).sum(0)
+            if dc.draft_vocab > target.cfg.vocab_size:
+                raise ConfigurationError(f"drafter.draft_vocab {dc.draft_vocab} exceeds the target's vocabulary "
+                                         f"({target.cfg.vocab_size})")
+            drafter = with_draft_vocab(drafter, frequent_tokens(counts, dc.draft_vocab))
+            if log is not None:
+                log({"event": "draft_vocab", "size": drafter.cfg.draft_vocab_size,
+                     "coverage": round(coverage(counts, drafter.draft_vocab.get_value()), 6)})
+    if dc.init and dc.draft_vocab is not None and drafter.cfg.draft_vocab_size != dc.draft_vocab:
+        raise ConfigurationError(f"drafter.draft_vocab is {dc.draft_vocab}, but {dc.init} drafts over "
+                                 f"{drafter.cfg.draft_vocab_size or 'the whole vocabulary'}; a drafter keeps its "
+                                 f"draft vocabulary (set drafter.draft_vocab to null or to its size)")
     if t.objective == "retrace" and drafter.cfg.retrace is None:
         raise ConfigurationError("objective retrace needs a ReTrace drafter")
     if t.objective == "dflash" and drafter.cfg.retrace is not None:
@@ -84,10 +112,13 @@ def optimizer_for(cfg: TrainConfig):
     return adamw(t.lr, t.steps, t.warmup_frac, t.weight_decay, t.clip, t.grad_accum)
 
 
-def run_settings(cfg: TrainConfig, drafter_cfg, num_sequences: int) -> dict:
+def run_settings(cfg: TrainConfig, drafter, num_sequences: int) -> dict:
     """What an exact resume must share with the run that wrote the checkpoint. (The mesh, the process
-    count, remat, logging and checkpoint intervals may change.)"""
+    count, remat, logging and checkpoint intervals may change.) ``drafter``: the drafter (or, as before,
+    its config)."""
     t = cfg.train
+    drafter_cfg = getattr(drafter, "cfg", drafter)
+    vocab = getattr(drafter, "draft_vocab", None)
     weights, retrace = loss_weights(t.rounds, t.round_weights, t.round1_weight), t.objective == "retrace"
     return {
         "seed": t.seed, "objective": t.objective, "batch_size": t.batch_size, "seq_len": t.seq_len, "steps": t.steps,
@@ -100,6 +131,9 @@ def run_settings(cfg: TrainConfig, drafter_cfg, num_sequences: int) -> dict:
         "mask_token_id": drafter_cfg.mask_token_id,
         "retrace": drafter_cfg.retrace.to_hf() if drafter_cfg.retrace is not None else None,
         "num_sequences": num_sequences,
+        # A draft vocabulary by its digest (None: the whole vocabulary; absent from older checkpoints).
+        "draft_vocab": None if vocab is None else hashlib.sha256(
+            np.asarray(jax.device_get(vocab.get_value()), np.int32).tobytes()).hexdigest()[:16],
     }
 
 
@@ -159,8 +193,8 @@ def train(cfg, log=print) -> dict:
     data = SequenceData(cfg.data_dir, t.seq_len)
     with open(os.path.join(cfg.data_dir, "eval_prompts.json")) as f:
         eval_ids = json.load(f)
-    drafter = build_drafter(cfg, target, mesh)
-    settings = run_settings(cfg, drafter.cfg, len(data))
+    drafter = build_drafter(cfg, target, mesh, data, log)
+    settings = run_settings(cfg, drafter, len(data))
     ckpts = Checkpoints(os.path.join(cfg.out, "checkpoints"), keep=t.keep_checkpoints)
     try:
         start = ckpts.latest_step() or 0
@@ -175,13 +209,17 @@ def _run(cfg: TrainConfig, target, drafter, data, eval_ids, mesh, ckpts, start, 
     t = cfg.train
     optimizer = optimizer_for(cfg)
     target_def, target_state = nnx.split(target)
-    drafter_def, drafter_state = nnx.split(drafter)
+    drafter_def, drafter_state, fixed = nnx.split(drafter, nnx.Param, ...)  # fixed: a draft vocabulary
     opt_state = init_opt_state(optimizer, drafter_state, mesh)
     drafter_sh = jax.tree.map(lambda x: x.sharding, drafter_state)
     opt_sh = jax.tree.map(lambda x: x.sharding, opt_state)
     step_fn = make_train_step(target_def, drafter_def, optimizer, step_options(cfg), mesh=mesh,
-                              drafter_shardings=drafter_sh, opt_shardings=opt_sh, precomputed_features=t.feature_cache)
-    features = cached_features(target, drafter.cfg.target_layer_ids, data, t.batch_size, log) if t.feature_cache else None
+                              drafter_shardings=drafter_sh, opt_shardings=opt_sh, precomputed_features=t.feature_cache,
+                              drafter_fixed=fixed)
+    features = None
+    if t.feature_cache:
+        features = cached_features(target, drafter.cfg.target_layer_ids, data, t.batch_size, log, cfg.data_dir,
+                                   cfg.target)
     if start:
         drafter_state, opt_state, meta = ckpts.restore(start, drafter_state, opt_state)
         log({"event": "resumed", "step": start, "processes": jax.process_count()})
@@ -226,7 +264,8 @@ def _run(cfg: TrainConfig, target, drafter, data, eval_ids, mesh, ckpts, start, 
                 log(record)
             if eval_ids and t.eval_every and step % t.eval_every == 0 and step < t.steps:
                 check_finite()
-                log(evaluate(target, nnx.merge(drafter_def, drafter_state), eval_ids, t.eval_max_new_tokens, mesh, step))
+                log(evaluate(target, nnx.merge(drafter_def, drafter_state, fixed), eval_ids, t.eval_max_new_tokens, mesh,
+                             step))
             stop_now = stop.requested
             if jax.process_count() > 1 and (logging or step % t.checkpoint_every == 0):
                 stop_now = agree_any(stop_now)  # every process stops at the same step
@@ -244,7 +283,7 @@ def _run(cfg: TrainConfig, target, drafter, data, eval_ids, mesh, ckpts, start, 
             signal.signal(signal.SIGTERM, previous)
     summary["step"] = step
     if step >= t.steps:
-        drafter = nnx.merge(drafter_def, drafter_state)
+        drafter = nnx.merge(drafter_def, drafter_state, fixed)
         if eval_ids:
             record = evaluate(target, drafter, eval_ids, t.eval_max_new_tokens, mesh, step)
             log(record)

@@ -76,10 +76,12 @@ def adamw(lr: float, steps: int, warmup_frac: float = 0.04, weight_decay: float 
 
 
 def loss_fn(drafter_state, drafter_def, target, tokens_bs, loss_mask_bs, step, seed, opts: StepOptions,
-            features_bsf=None):
+            features_bsf=None, drafter_fixed=None):
+    """``drafter_fixed``: the drafter's variables that are not trained (a draft vocabulary), when
+    ``drafter_def`` comes from ``nnx.split(drafter, nnx.Param, ...)``."""
     if opts.compute_dtype == "bfloat16":
         drafter_state = jax.tree.map(lambda x: x.astype(jnp.bfloat16), drafter_state)
-    drafter = nnx.merge(drafter_def, drafter_state)
+    drafter = nnx.merge(drafter_def, drafter_state, *(() if drafter_fixed is None else (drafter_fixed,)))
     key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
     anchors, valid = sample_anchors(key, loss_mask_bs, opts.num_anchors, drafter.cfg.block_size)
     if opts.objective == "dflash":
@@ -104,11 +106,11 @@ def loss_fn(drafter_state, drafter_def, target, tokens_bs, loss_mask_bs, step, s
 
 
 def _step(target_state, drafter_state, opt_state, tokens_bs, loss_mask_bs, step, seed, features_bsf=None, *,
-          target_def, drafter_def, optimizer, opts):
+          target_def, drafter_def, optimizer, opts, drafter_fixed=None):
     target = nnx.merge(target_def, target_state)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     (_, metrics), grads = grad_fn(drafter_state, drafter_def, target, tokens_bs, loss_mask_bs, step, seed, opts,
-                                  features_bsf)
+                                  features_bsf, drafter_fixed)
     updates, opt_state = optimizer.update(grads, opt_state, drafter_state)
     metrics["grad_norm"] = _norm(grads)
     return optax.apply_updates(drafter_state, updates), opt_state, metrics
@@ -148,15 +150,17 @@ def _under_mesh(fn, mesh):
 
 
 def make_train_step(target_def, drafter_def, optimizer, opts: StepOptions, *, mesh=None, drafter_shardings=None,
-                    opt_shardings=None, precomputed_features=False):
+                    opt_shardings=None, precomputed_features=False, drafter_fixed=None):
     """The jitted step ``(target_state, drafter_state, opt_state, tokens, loss_mask, step, seed[, features])
     -> (drafter_state, opt_state, metrics)``; drafter and optimizer states are donated. With
     ``precomputed_features`` (DFlash only) the target features come in with the batch instead of being
     computed in the step. With a mesh the batch is sharded over the data axes and the updated states keep
-    the given shardings."""
+    the given shardings. ``drafter_fixed``: the untrained variables of a drafter split as
+    ``nnx.split(drafter, nnx.Param, ...)`` (its draft vocabulary), constants of the step."""
     if precomputed_features and opts.objective != "dflash":
         raise ValueError("precomputed target features serve the DFlash objective only")
-    fn = functools.partial(_step, target_def=target_def, drafter_def=drafter_def, optimizer=optimizer, opts=opts)
+    fn = functools.partial(_step, target_def=target_def, drafter_def=drafter_def, optimizer=optimizer, opts=opts,
+                           drafter_fixed=drafter_fixed)
     if mesh is None:
         return jax.jit(fn, donate_argnums=(1, 2))
     fn = _under_mesh(fn, mesh)

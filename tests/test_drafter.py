@@ -43,6 +43,34 @@ def test_saved_drafter_loads_in_reference_pytorch_model(drafter, tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"]
 
 
+def test_a_draft_vocabulary_leaves_the_official_layout_loadable(drafter, tmp_path):
+    from retrace_jax.drafter import with_draft_vocab
+
+    rj.save_drafter(with_draft_vocab(drafter, [1, 5, 9, 127]), str(tmp_path))
+    ref, info = RefDFlashDraftModel.from_pretrained(str(tmp_path), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_layers_start_from_target_layers(target, drafter):
+    from retrace_jax.drafter import init_layers_from_target
+
+    copied = init_layers_from_target(drafter, target, [1, 0])
+    slices = target.layer_slices()
+    for i, layer in enumerate((1, 0)):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            np.testing.assert_array_equal(np.asarray(getattr(copied.layers[i].self_attn, name).kernel[...]),
+                                          np.asarray(slices[layer]["self_attn"][name]["kernel"].get_value()))
+        np.testing.assert_array_equal(np.asarray(copied.layers[i].mlp.down_proj.kernel[...]),
+                                      np.asarray(slices[layer]["mlp"]["down_proj"]["kernel"].get_value()))
+    np.testing.assert_array_equal(np.asarray(copied.fc.kernel[...]), np.asarray(drafter.fc.kernel[...]))  # its own
+    assert not np.array_equal(np.asarray(copied.layers[0].self_attn.q_proj.kernel[...]),
+                              np.asarray(drafter.layers[0].self_attn.q_proj.kernel[...]))
+    with pytest.raises(ValueError, match="2 layers"):
+        init_layers_from_target(drafter, target, [1])
+    with pytest.raises(ValueError, match="not among the target's"):
+        init_layers_from_target(drafter, target, [0, 9])
+
+
 def test_saved_in_bfloat16_loads_close(drafter, target, tmp_path):
     rj.save_drafter(drafter, str(tmp_path), dtype="bfloat16")
     assert json.load(open(tmp_path / "config.json"))["torch_dtype"] == "bfloat16"

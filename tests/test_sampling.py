@@ -11,6 +11,7 @@ from scipy import stats
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import retrace_jax as rj
+from retrace_jax.drafter import with_draft_vocab
 from retrace_jax.sampling import SamplingMode, filtered_logprobs
 from tests.helpers import make_hf_model, randomize, save_hf_model
 
@@ -84,9 +85,12 @@ SETTINGS = [(1.0, 0, 1.0), (0.8, 4, 0.9)]
 _RUNS: dict = {}
 
 
+DRAFT_VOCAB = [0, 2, 3, 5]  # "+vocab" methods: the drafter proposes only these tokens
+
+
 def sampled_run(small_vocab, method, temperature, top_k, top_p):
-    """``DRAWS`` rows of the same prompt decoded by ``method`` (plain or a draft rule); cached, so the
-    tests below share the runs."""
+    """``DRAWS`` rows of the same prompt decoded by ``method`` (plain or a draft rule, with "+vocab" the
+    drafter limited to :data:`DRAFT_VOCAB`); cached, so the tests below share the runs."""
     key = (method, temperature, top_k, top_p)
     if key not in _RUNS:
         _, target = small_vocab
@@ -94,7 +98,10 @@ def sampled_run(small_vocab, method, temperature, top_k, top_p):
         if method != "plain":
             drafter = randomize(rj.init_drafter(target.cfg, mask_token_id=5, num_layers=1, block_size=3), seed=1,
                                 scale=0.3)
-            kwargs = dict(drafter=drafter, draft_rule=method)
+            rule, _, vocab = method.partition("+")
+            if vocab:
+                drafter = with_draft_vocab(drafter, DRAFT_VOCAB)
+            kwargs = dict(drafter=drafter, draft_rule=rule)
         _RUNS[key] = rj.generate(target, [PROMPT] * DRAWS, max_new_tokens=N_TOKENS, temperature=temperature,
                                  top_k=top_k, top_p=top_p, seed=11, **kwargs)
     return _RUNS[key]
@@ -107,6 +114,8 @@ def sampled_run(small_vocab, method, temperature, top_k, top_p):
     (1.0, 0, 1.0, "argmax"),
     (1.0, 0, 1.0, "target_sample"),
     (0.8, 4, 0.9, "sample"),
+    (0.8, 4, 0.9, "sample+vocab"),  # q is zero outside the draft vocabulary
+    pytest.param(1.0, 0, 1.0, "argmax+vocab", marks=pytest.mark.slow),
     pytest.param(1.0, 0, 1.0, "sample", marks=pytest.mark.slow),
     pytest.param(0.8, 4, 0.9, "plain", marks=pytest.mark.slow),
     pytest.param(0.8, 4, 0.9, "argmax", marks=pytest.mark.slow),

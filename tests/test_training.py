@@ -218,6 +218,13 @@ def test_feature_cache_gives_the_same_training(workspace, dflash_run):
     assert any(r.get("event") == "feature_cache" for r in _records(out))
     # Same data, anchors and schedule up to the step count: the first steps' losses agree.
     np.testing.assert_allclose([cached[s] for s in (1, 2)], [online[s] for s in (1, 2)], rtol=1e-4)
+    # The features stay on disk beside the data: the next run reuses them.
+    again = str(root / "cached_again")
+    train.main(["--config", config, "--set", f"out={again}", "--set", "train.feature_cache=true",
+                "--set", "train.steps=2", "--set", "train.checkpoint_every=2"])
+    first, second = ([r for r in _records(o) if r.get("event") == "feature_cache"][0] for o in (out, again))
+    assert first["computed"] == first["sequences"] > 0 and second["computed"] == 0 and first["dir"] == second["dir"]
+    assert os.path.dirname(first["dir"]) == str(root / "data")
 
 
 def test_resume_with_other_settings_is_refused_before_anything_is_restored(workspace, dflash_run, monkeypatch):
@@ -292,3 +299,32 @@ def test_training_logs_without_tensorboard(tmp_path, monkeypatch):
     assert _records(str(tmp_path)) == [{"step": 1, "loss": 2.5}] and not (tmp_path / "tensorboard").exists()
     with pytest.raises(ConfigurationError, match="pip install 'retrace-jax\\[tensorboard\\]'"):
         MetricsLog(str(tmp_path / "b"), True)
+
+
+def test_a_draft_vocabulary_is_chosen_from_the_data_kept_on_resume_and_exported(workspace, dflash_run):
+    from retrace_jax.data import SequenceData
+    from retrace_jax.draft_vocab import frequent_tokens, token_counts
+
+    root, config = workspace
+    out = str(root / "vocab")
+    args = ["--config", config, "--set", f"out={out}", "--set", "train.steps=6", "--set", "train.checkpoint_every=3"]
+    train.main(args + ["--set", "drafter.draft_vocab=40", "--set", "train.stop_after=3"])
+    with pytest.raises(SystemExit) as err:  # another vocabulary is another run
+        train.main(args + ["--set", "drafter.draft_vocab=30"])
+    assert "draft_vocab: " in str(err.value.code) and "then" in str(err.value.code)
+    summary = train.main(args + ["--set", "drafter.draft_vocab=40"])
+    event = [r for r in _records(out) if r.get("event") == "draft_vocab"][0]
+    assert event["size"] == 40 and 0.5 < event["coverage"] <= 1.0
+    assert any(r.get("event") == "resumed" for r in _records(out))
+    data = SequenceData(str(root / "data"), 48)
+    ids = load_file(os.path.join(out, "drafter", "draft_vocab.safetensors"))["draft_token_ids"]
+    np.testing.assert_array_equal(ids, frequent_tokens(token_counts(data.tokens, data.mask, 128), 40))
+    assert sorted(_tensors(out)) == sorted(_tensors(dflash_run[0]))  # model.safetensors: the official layout
+    target = rj.load_target(yaml.safe_load(open(config))["target"])
+    drafter = rj.load_drafter(summary["drafter"], target)
+    prompts = json.load(open(root / "data" / "eval_prompts.json"))
+    assert rj.generate(target, prompts, 24, drafter=drafter).tokens == rj.generate(target, prompts, 24).tokens
+    with pytest.raises(SystemExit) as err:  # a drafter keeps its draft vocabulary
+        train.main(["--config", config, "--set", f"out={root / 'vocab_retrace'}", "--set", "train.objective=retrace",
+                    "--set", f"drafter.init={summary['drafter']}", "--set", "drafter.draft_vocab=50"])
+    assert "keeps its draft vocabulary" in str(err.value.code)

@@ -1,0 +1,67 @@
+"""The on-disk feature store of train.feature_cache: ragged layout, reads, resumable filling, keys."""
+
+import numpy as np
+import pytest
+
+from retrace_jax.feature_store import FeatureStore, store_key
+
+LENGTHS = [5, 9, 3, 12, 7]  # sequence 3 is longer than seq_len 10 and is cut
+SEQ = [np.arange(100 * i, 100 * i + n, dtype=np.int32) for i, n in enumerate(LENGTHS)]
+
+
+def rows_of(idx):
+    out = np.zeros((len(idx), 10), np.int32)
+    for r, i in enumerate(idx):
+        out[r, : min(10, len(SEQ[i]))] = SEQ[i][:10]
+    return out
+
+
+def features_of(tokens):  # a stand-in for the target: each position's features from its token
+    return np.stack([tokens, -2 * tokens], -1).astype(np.float32) + 0.5
+
+
+def store(tmp_path, **change):
+    key = store_key(tmp_path / "target", [1, 2], 10, np.float32, len(LENGTHS))
+    return FeatureStore(str(tmp_path), {**key, **change}, LENGTHS, 2)
+
+
+def test_reads_give_each_sequence_its_features_padded_with_zeros(tmp_path):
+    s = store(tmp_path).build(features_of, rows_of, batch_size=2)
+    got = s[[3, 0, 2]]
+    assert got.shape == (3, 10, 2)
+    want = features_of(rows_of([3, 0, 2]))
+    for r, i in enumerate([3, 0, 2]):
+        n = min(10, LENGTHS[i])
+        np.testing.assert_array_equal(got[r, :n], want[r, :n])
+        assert not got[r, n:].any()
+    assert s.nbytes == sum(min(10, n) for n in LENGTHS) * 2 * 4  # ragged: no padding on disk
+
+
+def test_an_interrupted_build_resumes_after_its_last_batch(tmp_path):
+    calls = []
+
+    def failing(tokens):
+        calls.append(tokens[:, 0].tolist())
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return features_of(tokens)
+
+    with pytest.raises(KeyboardInterrupt):
+        store(tmp_path).build(failing, rows_of, batch_size=2)
+    assert store(tmp_path).done == 2
+    with pytest.raises(RuntimeError, match="not finished"):
+        store(tmp_path)[[0]]
+    calls.clear()
+    events = []
+    s = store(tmp_path).build(lambda t: (calls.append(1), features_of(t))[1], rows_of, batch_size=2, log=events.append)
+    assert len(calls) == 2 and events[0]["computed"] == 3  # sequences 2, 3 and 4
+    whole = store(tmp_path / "other").build(features_of, rows_of, batch_size=2)
+    np.testing.assert_array_equal(s[range(5)], whole[range(5)])
+    calls.clear()
+    store(tmp_path).build(lambda t: (calls.append(1), features_of(t))[1], rows_of, batch_size=2)
+    assert not calls  # finished: reused as it is
+
+
+def test_another_key_is_another_store(tmp_path):
+    a, b = store(tmp_path), store(tmp_path, layer_ids=[1, 3])
+    assert a.dir != b.dir and a.dir == store(tmp_path).dir
