@@ -25,6 +25,9 @@ are skipped (and counted), never cut.
   ``--repeats`` runs (at least 3) after a compiling run, plain and speculative alternating in one
   process; the speedups are ratios of tokens/s pooled over each dataset's prompts, against plain decoding
   (the loop with one target forward per token: the official baseline's block size 1).
+- **Block size**: each drafter runs at its own block size unless ``--block-size NAME=K`` sets another
+  (a drafter trained at one block size can run at a smaller one; give the same directory under two names
+  to compare them side by side).
 - **Draft rule at T > 0** (``--draft-rule``, recorded in the JSON): ``argmax`` (default: one-hot
   rejection sampling), ``target_sample`` (the official DFlash rule: argmax proposals accepted while they
   equal the target's own samples) or ``sample`` (proposals drawn from the drafter). The first two give the
@@ -99,6 +102,19 @@ def parse_drafters(items: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+def parse_block_sizes(items: list[str], drafters: dict) -> dict[str, int]:
+    """``NAME=K`` items -> ``{name: K}``, for drafters given with ``--drafter``."""
+    out = {}
+    for item in items:
+        name, sep, k = item.partition("=")
+        if not sep or not k.isdigit() or int(k) < 2:
+            raise SystemExit(f"--block-size expects NAME=K with K >= 2, got {item!r}")
+        if name not in drafters:
+            raise SystemExit(f"--block-size {item!r}: no drafter named {name!r} (given: {', '.join(drafters) or 'none'})")
+        out[name] = int(k)
+    return out
+
+
 def summarize(lengths: list[list[int]]) -> dict:
     per_prompt = [np.mean(a) for a in lengths if a]
     pooled = [x for a in lengths for x in a]
@@ -110,6 +126,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True)
     p.add_argument("--drafter", action="append", default=[], help="NAME=DIR (repeatable)")
+    p.add_argument("--block-size", action="append", default=[],
+                   help="NAME=K: run drafter NAME (and NAME-off) at block size K instead of its own (repeatable; "
+                        "the same directory may be given under several names to compare block sizes)")
     p.add_argument("--spec-bench", default=DEFAULT_SPEC_BENCH, help="Spec-Bench questions (JSONL, optionally .gz; "
                    "default: the vendored copy in benchmarks/data)")
     p.add_argument("--humaneval", default=DEFAULT_HUMANEVAL)
@@ -137,11 +156,12 @@ def main(argv=None):
     encode = chat_encoder(tokenizer)
     stops = [tokenizer.eos_token_id]
     drafters = {name: rj.load_drafter(path, target) for name, path in parse_drafters(args.drafter)}
+    block_sizes = parse_block_sizes(args.block_size, drafters)
     methods: dict[str, dict] = {"plain": {}}
     for name, d in drafters.items():
-        methods[name] = {"drafter": d, "draft_rule": args.draft_rule}
+        methods[name] = {"drafter": d, "draft_rule": args.draft_rule, "block_size": block_sizes.get(name)}
         if d.cfg.retrace is not None:
-            methods[f"{name}-off"] = {"drafter": d, "use_retrace": False, "draft_rule": args.draft_rule}
+            methods[f"{name}-off"] = {**methods[name], "use_retrace": False}
     temperatures = [float(t) for t in args.temperatures.split(",")]
 
     datasets, skipped = {}, {}
@@ -152,7 +172,7 @@ def main(argv=None):
     rows = sorted(((len(ids), name, i) for name, ps in datasets.items() for i, ids in enumerate(ps)))
     batches = [rows[i : i + args.batch_size] for i in range(0, len(rows), args.batch_size)]
 
-    result = {"target": args.target, "drafters": dict(parse_drafters(args.drafter)),
+    result = {"target": args.target, "drafters": dict(parse_drafters(args.drafter)), "block_sizes": block_sizes,
               "per_dataset": args.per_dataset, "max_new_tokens": args.max_new_tokens,
               "draft_rule": args.draft_rule, "repeats": args.repeats,
               "max_prompt_len": args.max_prompt_len, "skipped_too_long": skipped,
