@@ -164,7 +164,8 @@ class DFlashDrafter(nnx.Module):
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
         if cfg.retrace is not None:
             self.retrace = ReTraceFusion(cfg.retrace, d, d, dtype=dtype, rngs=rngs)
-        if cfg.draft_vocab_size is not None:  # the first U ids until set_draft_vocab or a checkpoint says
+        if cfg.draft_vocab_size is not None:  # ids 0..U-1 until init_drafter, with_draft_vocab or a
+            # checkpoint sets them
             self.draft_vocab = DraftVocab(jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32))
 
     @property
