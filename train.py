@@ -3,6 +3,7 @@
     python train.py --config configs/tiny_dflash.yaml                 # prepare the data, then train
     python train.py --config configs/tiny_dflash.yaml --stage prepare # only regenerate the responses
     python train.py --config configs/tiny_retrace.yaml --set train.steps=200
+    python train.py --config configs/tiny_dflash.yaml --stage export  # the latest checkpoint -> OUT/drafter_stepN
     python train.py --describe                                        # every config key, its default and docs
 
 Data preparation regenerates the responses to the prompts with the target (resumable shards); training
@@ -23,6 +24,7 @@ with status 1; ``--traceback`` (or ``RETRACE_JAX_TRACEBACK=1``, as for decode.py
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 # Errors a user can fix; anything else is a bug and keeps its traceback.
@@ -34,8 +36,11 @@ def main(argv=None):
     p.add_argument("--config", help="a YAML file (see configs/)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. train.steps=200 (repeatable)")
-    p.add_argument("--stage", choices=["all", "prepare", "train"], default="all",
-                   help="all: prepare the data if needed, then train")
+    p.add_argument("--stage", choices=["all", "prepare", "train", "export"], default="all",
+                   help="all: prepare the data if needed, then train; export: write the drafter of a checkpoint "
+                        "(--step, default the latest) to OUT/drafter_stepN without training, e.g. to evaluate "
+                        "a run that is still going")
+    p.add_argument("--step", type=int, default=None, help="with --stage export: the checkpoint's step")
     p.add_argument("--describe", action="store_true", help="print every config key with its default and exit")
     p.add_argument("--traceback", action="store_true", help="on an error, show the full traceback")
     args = p.parse_args(argv)
@@ -46,6 +51,8 @@ def main(argv=None):
         return None
     if not args.config:
         p.error("--config is required")
+    if args.step is not None and args.stage != "export":
+        p.error("--step goes with --stage export")
     try:
         return run(args)
     except USER_ERRORS as err:
@@ -69,6 +76,8 @@ def run(args):
     from retrace_jax.compile_cache import enable_compilation_cache
 
     enable_compilation_cache()  # a rerun (e.g. a resume) loads its programs instead of compiling them
+    if args.stage == "export":  # prints only: the run's own log files stay the run's
+        return trainer.export_checkpoint(cfg, args.step, lambda record: print(json.dumps(record), flush=True))
     log = MetricsLog(cfg.out, cfg.train.tensorboard)
     try:
         if args.stage in ("all", "prepare"):
@@ -82,8 +91,6 @@ def run(args):
 
 
 def _unfinished(manifest_path: str) -> bool:
-    import json
-
     with open(manifest_path) as f:
         m = json.load(f)
     shards = -(-m["settings"]["num_prompts"] // m["settings"]["shard_size"])

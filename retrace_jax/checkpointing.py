@@ -17,12 +17,17 @@ import orbax.checkpoint as ocp
 
 
 class Checkpoints:
-    def __init__(self, directory: str, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: str, keep: int = 3, async_save: bool = True, read_only: bool = False):
+        """``read_only``: only restore; nothing is created or cleaned up, so a run that is still writing
+        checkpoints into ``directory`` is left alone."""
         self.directory = os.path.abspath(directory)
+        if read_only and not os.path.isdir(self.directory):
+            raise FileNotFoundError(f"no checkpoints in {self.directory}")
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                                 create=True, cleanup_tmp_directories=True),
+                                                 create=not read_only, cleanup_tmp_directories=not read_only,
+                                                 read_only=read_only),
         )
 
     def latest_step(self) -> int | None:

@@ -205,6 +205,38 @@ def train(cfg, log=print) -> dict:
         ckpts.close()
 
 
+def export_checkpoint(cfg, step: int | None = None, log=print) -> str:
+    """Exports the drafter of checkpoint ``step`` of ``cfg.out`` (default: the latest) to
+    ``OUT/drafter_step{N}`` in the official layout, without training: to evaluate a run that is still going
+    (its checkpoints are only read) or one that stopped early. The configuration must be the run's own."""
+    cfg = as_config(cfg)
+    t = cfg.train
+    initialize(t.distributed)
+    mesh = make_mesh(t.mesh)
+    ckpts = Checkpoints(os.path.join(cfg.out, "checkpoints"), keep=t.keep_checkpoints, read_only=True)
+    try:
+        steps = list(ckpts.manager.all_steps())
+        if not steps:
+            raise FileNotFoundError(f"no finished checkpoint in {ckpts.directory}")
+        if step is None:
+            step = max(steps)
+        elif step not in steps:
+            raise FileNotFoundError(f"no checkpoint of step {step} in {ckpts.directory}; there are: "
+                                    f"{', '.join(map(str, sorted(steps)))}")
+        target, _ = build_target(cfg, mesh)
+        data = SequenceData(cfg.data_dir, t.seq_len)
+        drafter = build_drafter(cfg, target, mesh, data, log)
+        check_resume(ckpts, step, run_settings(cfg, drafter, len(data)), cfg.out)
+        drafter_def, drafter_state, fixed = nnx.split(drafter, nnx.Param, ...)
+        opt_state = init_opt_state(optimizer_for(cfg), drafter_state, mesh)
+        drafter_state, _, _ = ckpts.restore(step, drafter_state, opt_state)
+    finally:
+        ckpts.close()
+    path = export_drafter(nnx.merge(drafter_def, drafter_state, fixed), os.path.join(cfg.out, f"drafter_step{step}"))
+    log({"event": "exported", "step": step, "drafter": path})
+    return path
+
+
 def _run(cfg: TrainConfig, target, drafter, data, eval_ids, mesh, ckpts, start, settings, log) -> dict:
     t = cfg.train
     optimizer = optimizer_for(cfg)

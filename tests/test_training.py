@@ -312,7 +312,21 @@ def test_a_draft_vocabulary_is_chosen_from_the_data_kept_on_resume_and_exported(
     with pytest.raises(SystemExit) as err:  # another vocabulary is another run
         train.main(args + ["--set", "drafter.draft_vocab=30"])
     assert "draft_vocab: " in str(err.value.code) and "then" in str(err.value.code)
+    with pytest.raises(SystemExit) as err:  # the same for an export
+        train.main(args + ["--set", "drafter.draft_vocab=30", "--stage", "export"])
+    assert "draft_vocab: " in str(err.value.code)
+    early = train.main(args + ["--set", "drafter.draft_vocab=40", "--stage", "export"])  # the stopped run's step 3
+    assert early == os.path.join(out, "drafter_step3")
     summary = train.main(args + ["--set", "drafter.draft_vocab=40"])
+    last = train.main(args + ["--set", "drafter.draft_vocab=40", "--stage", "export", "--step", "6"])
+    for name in ("model.safetensors", "draft_vocab.safetensors"):  # the export of the last step is the drafter
+        a, b = load_file(os.path.join(out, "drafter", name)), load_file(os.path.join(last, name))
+        assert sorted(a) == sorted(b)
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=f"{name}: {key}")
+    early_ids = load_file(os.path.join(early, "draft_vocab.safetensors"))["draft_token_ids"]
+    np.testing.assert_array_equal(early_ids, load_file(os.path.join(last, "draft_vocab.safetensors"))["draft_token_ids"])
+    assert any(not np.array_equal(v, _tensors(out)[k]) for k, v in load_file(os.path.join(early, "model.safetensors")).items())
     event = [r for r in _records(out) if r.get("event") == "draft_vocab"][0]
     assert event["size"] == 40 and 0.5 < event["coverage"] <= 1.0
     assert any(r.get("event") == "resumed" for r in _records(out))
@@ -328,3 +342,32 @@ def test_a_draft_vocabulary_is_chosen_from_the_data_kept_on_resume_and_exported(
         train.main(["--config", config, "--set", f"out={root / 'vocab_retrace'}", "--set", "train.objective=retrace",
                     "--set", f"drafter.init={summary['drafter']}", "--set", "drafter.draft_vocab=50"])
     assert "keeps its draft vocabulary" in str(err.value.code)
+
+
+def test_export_reads_checkpoints_and_refuses_clearly(workspace, dflash_run):
+    root, config = workspace
+    out = dflash_run[0]
+    args = ["--config", config, "--set", f"out={out}", "--stage", "export"]
+    log = root / "dflash" / "metrics.jsonl"
+    before = log.read_text()
+    checkpoints = sorted(os.listdir(os.path.join(out, "checkpoints")))
+    path = train.main(args + ["--step", "20"])
+    assert path == os.path.join(out, "drafter_step20")
+    target = rj.load_target(yaml.safe_load(open(config))["target"])
+    drafter = rj.load_drafter(path, target)
+    prompts = json.load(open(root / "data" / "eval_prompts.json"))
+    assert rj.generate(target, prompts, 24, drafter=drafter).tokens == rj.generate(target, prompts, 24).tokens
+    assert log.read_text() == before  # the run's log is left alone
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == checkpoints
+    with pytest.raises(SystemExit) as err:
+        train.main(args + ["--step", "30"])
+    assert "no checkpoint of step 30" in str(err.value.code) and "20, 40" in str(err.value.code)
+    with pytest.raises(SystemExit) as err:
+        train.main(args + ["--set", "train.lr=0.1"])
+    assert "lr: 0.003 then, 0.1 now" in str(err.value.code)
+    with pytest.raises(SystemExit) as err:
+        train.main(["--config", config, "--set", f"out={root / 'never_trained'}", "--stage", "export"])
+    assert "no checkpoints in" in str(err.value.code)
+    assert not os.path.exists(root / "never_trained")
+    with pytest.raises(SystemExit):  # argparse: --step only with --stage export
+        train.main(["--config", config, "--step", "20"])
