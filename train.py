@@ -77,7 +77,7 @@ def run(args):
 
     enable_compilation_cache()  # a rerun (e.g. a resume) loads its programs instead of compiling them
     if args.stage == "export":  # prints only: the run's own log files stay the run's
-        return trainer.export_checkpoint(cfg, args.step, lambda record: print(json.dumps(record), flush=True))
+        return trainer.export_checkpoint(cfg, args.step, MetricsLog(None))
     log = MetricsLog(cfg.out, cfg.train.tensorboard)
     try:
         if args.stage in ("all", "prepare"):

@@ -10,7 +10,6 @@ import os
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -81,12 +80,13 @@ class MetricsLog:
     """The ``log`` callable of a run: prints each record as a JSON line and, on process 0, appends it to
     ``{out}/metrics.jsonl`` and writes its numbers as TensorBoard scalars to ``{out}/tensorboard``
     (``tensorboard``: true, false, or auto = when tensorboardX is installed). Other processes print
-    only (prefixed with their index) so that one file holds the run."""
+    only (prefixed with their index) so that one file holds the run. ``out=None`` prints only, leaving a
+    run's files alone (``train.py --stage export``)."""
 
-    def __init__(self, out: str, tensorboard: bool | str = "auto", echo: bool = True):
+    def __init__(self, out: str | None, tensorboard: bool | str = "auto", echo: bool = True):
         self.echo, self.metrics, self.writer, self._open_writer = echo, None, None, None
         self.process = jax.process_index()
-        if self.process != 0:
+        if self.process != 0 or out is None:
             return
         os.makedirs(out, exist_ok=True)
         self.metrics = open(os.path.join(out, "metrics.jsonl"), "a")

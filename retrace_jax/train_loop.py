@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -174,33 +175,53 @@ class _Stop:
         self.requested = True
 
 
-def train(cfg, log=print) -> dict:
-    """Runs (or resumes) training; returns a summary. Exports the drafter when the run completes. With
-    several processes every process calls this with the same configuration."""
-    cfg = as_config(cfg)
+class _Setup(NamedTuple):
+    """What training and exporting both build from a configuration."""
+    mesh: jax.sharding.Mesh
+    target: object
+    data: SequenceData
+    drafter: object
+    settings: dict  # run_settings: what a checkpoint of this run must have been written with
+
+
+def _setup(cfg: TrainConfig, log) -> _Setup:
     t = cfg.train
     initialize(t.distributed)
-    nproc = jax.process_count()
     mesh = make_mesh(t.mesh)
     data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
     if t.batch_size % data_parallel:
         raise ConfigurationError(f"train.batch_size {t.batch_size} must divide over the data axes of mesh "
                                  f"{dict(mesh.shape)} ({data_parallel})")
-    if t.feature_cache and nproc > 1:
+    if t.feature_cache and jax.process_count() > 1:
         raise ConfigurationError("train.feature_cache serves single-process runs; with several processes the "
                                  "features are computed in the step")
     target, _ = build_target(cfg, mesh)
     data = SequenceData(cfg.data_dir, t.seq_len)
+    drafter = build_drafter(cfg, target, mesh, data, log)
+    return _Setup(mesh, target, data, drafter, run_settings(cfg, drafter, len(data)))
+
+
+def _trainable(cfg: TrainConfig, drafter, mesh):
+    """The drafter split into its graph, its trained parameters and its fixed state (a draft vocabulary),
+    with the optimizer and a fresh optimizer state (the structure a checkpoint restores into)."""
+    optimizer = optimizer_for(cfg)
+    drafter_def, drafter_state, fixed = nnx.split(drafter, nnx.Param, ...)
+    return optimizer, drafter_def, drafter_state, fixed, init_opt_state(optimizer, drafter_state, mesh)
+
+
+def train(cfg, log=print) -> dict:
+    """Runs (or resumes) training; returns a summary. Exports the drafter when the run completes. With
+    several processes every process calls this with the same configuration."""
+    cfg = as_config(cfg)
+    s = _setup(cfg, log)
     with open(os.path.join(cfg.data_dir, "eval_prompts.json")) as f:
         eval_ids = json.load(f)
-    drafter = build_drafter(cfg, target, mesh, data, log)
-    settings = run_settings(cfg, drafter, len(data))
-    ckpts = Checkpoints(os.path.join(cfg.out, "checkpoints"), keep=t.keep_checkpoints)
+    ckpts = Checkpoints(os.path.join(cfg.out, "checkpoints"), keep=cfg.train.keep_checkpoints)
     try:
         start = ckpts.latest_step() or 0
         if start:
-            check_resume(ckpts, start, settings, cfg.out)
-        return _run(cfg, target, drafter, data, eval_ids, mesh, ckpts, start, settings, log)
+            check_resume(ckpts, start, s.settings, cfg.out)
+        return _run(cfg, s.target, s.drafter, s.data, eval_ids, s.mesh, ckpts, start, s.settings, log)
     finally:
         ckpts.close()
 
@@ -210,10 +231,8 @@ def export_checkpoint(cfg, step: int | None = None, log=print) -> str:
     ``OUT/drafter_step{N}`` in the official layout, without training: to evaluate a run that is still going
     (its checkpoints are only read) or one that stopped early. The configuration must be the run's own."""
     cfg = as_config(cfg)
-    t = cfg.train
-    initialize(t.distributed)
-    mesh = make_mesh(t.mesh)
-    ckpts = Checkpoints(os.path.join(cfg.out, "checkpoints"), keep=t.keep_checkpoints, read_only=True)
+    s = _setup(cfg, log)
+    ckpts = Checkpoints(os.path.join(cfg.out, "checkpoints"), keep=cfg.train.keep_checkpoints, read_only=True)
     try:
         steps = list(ckpts.manager.all_steps())
         if not steps:
@@ -223,12 +242,8 @@ def export_checkpoint(cfg, step: int | None = None, log=print) -> str:
         elif step not in steps:
             raise FileNotFoundError(f"no checkpoint of step {step} in {ckpts.directory}; there are: "
                                     f"{', '.join(map(str, sorted(steps)))}")
-        target, _ = build_target(cfg, mesh)
-        data = SequenceData(cfg.data_dir, t.seq_len)
-        drafter = build_drafter(cfg, target, mesh, data, log)
-        check_resume(ckpts, step, run_settings(cfg, drafter, len(data)), cfg.out)
-        drafter_def, drafter_state, fixed = nnx.split(drafter, nnx.Param, ...)
-        opt_state = init_opt_state(optimizer_for(cfg), drafter_state, mesh)
+        check_resume(ckpts, step, s.settings, cfg.out)
+        _, drafter_def, drafter_state, fixed, opt_state = _trainable(cfg, s.drafter, s.mesh)
         drafter_state, _, _ = ckpts.restore(step, drafter_state, opt_state)
     finally:
         ckpts.close()
@@ -239,10 +254,8 @@ def export_checkpoint(cfg, step: int | None = None, log=print) -> str:
 
 def _run(cfg: TrainConfig, target, drafter, data, eval_ids, mesh, ckpts, start, settings, log) -> dict:
     t = cfg.train
-    optimizer = optimizer_for(cfg)
     target_def, target_state = nnx.split(target)
-    drafter_def, drafter_state, fixed = nnx.split(drafter, nnx.Param, ...)  # fixed: a draft vocabulary
-    opt_state = init_opt_state(optimizer, drafter_state, mesh)
+    optimizer, drafter_def, drafter_state, fixed, opt_state = _trainable(cfg, drafter, mesh)
     drafter_sh = jax.tree.map(lambda x: x.sharding, drafter_state)
     opt_sh = jax.tree.map(lambda x: x.sharding, opt_state)
     step_fn = make_train_step(target_def, drafter_def, optimizer, step_options(cfg), mesh=mesh,
