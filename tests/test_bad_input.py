@@ -245,6 +245,8 @@ def test_messages_after_the_first_user_turn_are_not_checked(tmp_path):
     (lambda: assets.fetch("gpt-5"), r"unknown model 'gpt-5'; available: smollm2-135m-instruct"),
     (lambda: assets.fetch_dataset("mmlu"), r"unknown dataset 'mmlu'; available: sharegpt, humaneval"),
     (lambda: assets.shipped_drafter("qwen2.5-coder-0.5b-instruct"), r"no drafter shipped for"),
+    (lambda: assets.shipped_drafter("smollm2-135m-instruct", "eagle"), r"no 'eagle' drafter shipped for "
+                                                                        r"'smollm2-135m-instruct'; there are: default"),
 ])
 def test_assets_raise_value_error_not_system_exit(call, pattern):
     with pytest.raises(ValueError, match=pattern):
