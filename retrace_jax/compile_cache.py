@@ -1,7 +1,9 @@
-"""JAX's persistent compilation cache for the command lines: a second run loads its programs from disk."""
+"""Compilation: JAX's persistent cache for the command lines (a second run loads its programs from disk),
+and the compiler options of the decode programs."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 DEFAULT_DIR = os.path.join("~", ".cache", "retrace_jax", "xla")
@@ -24,3 +26,44 @@ def enable_compilation_cache(directory: str | None = None) -> str:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return directory
+
+
+# XLA's CPU preset that spends less compile time (fewer LLVM and HLO optimisations). For the decode
+# programs on CPU it cut XLA's compile time by about a third and left decoding as fast
+# (benchmarks/compile_time.py, docs/performance.md); GPUs and TPUs compile with XLA's defaults.
+CPU_COMPILER_OPTIONS = {"xla_cpu_opt_preset": "CPU_OPT_PRESET_FAST_COMPILE"}
+
+
+class DecodeProgram:
+    """``jax.jit(fn, **jit_kwargs)`` that compiles with :data:`CPU_COMPILER_OPTIONS` when the default
+    backend is the CPU and with XLA's defaults elsewhere (one jitted function each, picked at call
+    time: ``default`` and ``cpu``). ``lower`` and ``trace`` pick the same way, for ahead-of-time use and HLO
+    checks."""
+
+    def __init__(self, fn, **jit_kwargs):
+        import jax
+
+        self.default = jax.jit(fn, **jit_kwargs)
+        self.cpu = jax.jit(fn, compiler_options=CPU_COMPILER_OPTIONS, **jit_kwargs)
+        functools.update_wrapper(self, fn)
+
+    def _pick(self):
+        import jax
+
+        return self.cpu if jax.default_backend() == "cpu" else self.default
+
+    def __call__(self, *args, **kwargs):
+        return self._pick()(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        return self._pick().lower(*args, **kwargs)
+
+    def trace(self, *args, **kwargs):
+        return self._pick().trace(*args, **kwargs)
+
+
+def decode_program(fn=None, **jit_kwargs):
+    """Decorator form of :class:`DecodeProgram` (``@decode_program(static_argnames=...)``)."""
+    if fn is None:
+        return functools.partial(DecodeProgram, **jit_kwargs)
+    return DecodeProgram(fn, **jit_kwargs)

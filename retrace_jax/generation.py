@@ -18,7 +18,7 @@ from retrace_jax.plain_loop import plain_generate
 from retrace_jax.sampling import SamplingMode, SamplingParams
 from retrace_jax.sharding import axis_size, batch_sharding
 from retrace_jax.speculative_loop import speculative_generate
-from retrace_jax.target import TargetModel, resolve_layer_loop
+from retrace_jax.target import TargetModel, per_layer_weights, resolve_layer_loop
 
 MIN_BUCKET = 16
 STOP_BUCKET = 8
@@ -91,9 +91,11 @@ def generate(
     "pallas_gpu" or "pallas_tpu"; see ``retrace_jax/attention.py``): the default walks the caches only up to
     the filled length.
     ``layer_loop`` runs the target's layers with one ``lax.scan`` ("scan": compile time independent of
-    depth) or as a Python loop over per-layer weight slices made once ("unrolled": faster steps on CPU,
-    where a scan copies each layer's weights at every step; compile time grows with depth); "auto" is
-    "unrolled" on CPU and "scan" on accelerators.
+    depth) or as a Python loop over per-layer weights ("unrolled": faster steps on CPU, where a scan
+    copies each layer's weights at every step; compile time grows with depth); "auto" is "unrolled" on
+    CPU and "scan" on accelerators. The unrolled loop's per-layer copy of the target's layer weights is
+    made on the first call and kept while the target lives (twice the layer weights in memory; see
+    ``retrace_jax.target.per_layer_weights``).
     """
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh (e.g. rj.make_mesh({mesh!r}) for a string) or None, "
@@ -119,11 +121,12 @@ def generate(
     if mesh is not None:
         tokens, lens, live = (jax.device_put(x, batch_sharding(mesh, x.ndim)) for x in (tokens, lens, live))
     target_def, target_state = nnx.split(target)
+    slices = per_layer_weights(target, layer_loop)
     max_new = np.int32(max_new_tokens)
     if drafter is None:
         buf = plain_generate(target_def, target_state, tokens, lens, live, max_new, stops, sampling,
                              capacity=capacity, mode=mode, mesh=mesh, cache_dtype=cache_dtype, attention=attention,
-                             layer_loop=layer_loop)
+                             layer_loop=layer_loop, slices=slices)
         out_tokens, num = _fetch((buf.tokens, buf.num))
         new = [out_tokens[b, : num[b]].tolist() for b in range(batch)]
         return GenerateOutput(tokens=new, acceptance_lengths=[[1] * len(t) for t in new])
@@ -136,7 +139,7 @@ def generate(
     buf, accept, rounds = speculative_generate(
         target_def, target_state, drafter_def, drafter_state, tokens, lens, live, max_new, stops, sampling,
         capacity=capacity, block_size=block_size, use_retrace=bool(use_retrace), mode=mode, mesh=mesh,
-        cache_dtype=cache_dtype, attention=attention, layer_loop=layer_loop,
+        cache_dtype=cache_dtype, attention=attention, layer_loop=layer_loop, slices=slices,
     )
     out_tokens, num, accept, rounds = _fetch((buf.tokens, buf.num, accept, rounds))
     return GenerateOutput(

@@ -6,16 +6,15 @@ calls it, and :class:`PlainStepper` calls it one jitted step at a time (benchmar
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
 from retrace_jax.commit import OutputBuffer, commit
+from retrace_jax.compile_cache import DecodeProgram, decode_program
 from retrace_jax.kv_cache import KVCache
 from retrace_jax.sampling import SamplingMode, SamplingParams, row_keys, step_keys
-from retrace_jax.target import layer_slices_for, merge_target, prefill
+from retrace_jax.target import merge_target, per_layer_weights, prefill
 
 
 @struct.dataclass
@@ -60,18 +59,19 @@ def plain_step(model, consts: StepConstants, c: PlainCarry) -> PlainCarry:
     return PlainCarry(out.cache.replace(lengths=lengths).constrain(consts.mesh), buf, next_b)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "capacity", "mode", "mesh", "cache_dtype", "attention",
-                                           "layer_loop"))
+@decode_program(static_argnames=("graphdef", "capacity", "mode", "mesh", "cache_dtype", "attention", "layer_loop"))
 def plain_generate(graphdef, state, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids,
                    sampling: SamplingParams, *, capacity, mode: SamplingMode = SamplingMode(), mesh=None,
-                   cache_dtype=None, attention="auto", layer_loop="auto"):
+                   cache_dtype=None, attention="auto", layer_loop="auto", slices=None):
     """Greedy or sampled decoding of a right-padded batch; rows with ``live_b`` False are padding.
 
     Row ``b`` draws its ``n``-th token with ``fold_in(fold_in(PRNGKey(seed), b), n)``. With a ``mesh``
     the cache is sharded (batch over data, KV heads over tensor) like the parameters.
+    An unrolled ``layer_loop`` takes the per-layer weights from ``slices`` (see
+    :func:`~retrace_jax.target.per_layer_weights`), or slices them itself when it is None.
     Returns the output buffer (``capacity`` >= ``max_new`` slots per row).
     """
-    model = merge_target(graphdef, state, layer_loop)
+    model = merge_target(graphdef, state, layer_loop, slices)
     consts, init = plain_init(model, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampling,
                               capacity=capacity, mode=mode, mesh=mesh, cache_dtype=cache_dtype, attention=attention)
     final = jax.lax.while_loop(lambda c: ~jnp.all(c.buf.done), lambda c: plain_step(model, consts, c), init)
@@ -80,13 +80,13 @@ def plain_generate(graphdef, state, tokens_bp, prompt_lens_b, live_b, max_new, s
 
 class PlainStepper:
     """The plain program one jitted step per Python call, with the layer loop ``generate`` would use
-    (unrolled on CPU: the per-layer weights are sliced once, here): ``init`` runs the prefill, ``step``
+    (unrolled on CPU, with the target's kept per-layer weights): ``init`` runs the prefill, ``step``
     one token for every row. For benchmarks and debugging; the tokens are those of
     :func:`plain_generate`."""
 
     def __init__(self, target, layer_loop: str = "auto", **static):
         self._def, self._state = nnx.split(target)
-        self._slices = layer_slices_for(self._def, self._state, layer_loop)
+        self._slices = per_layer_weights(target, layer_loop)
         self.consts = self.carry = None
 
         def init(state, slices, *args):
@@ -95,7 +95,7 @@ class PlainStepper:
         def step(state, slices, consts, carry):
             return plain_step(merge_target(self._def, state, layer_loop, slices), consts, carry)
 
-        self._init, self._step = jax.jit(init), jax.jit(step, donate_argnums=3)  # the carry is updated in place
+        self._init, self._step = DecodeProgram(init), DecodeProgram(step, donate_argnums=3)  # carry updated in place
 
     def init(self, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampling: SamplingParams) -> PlainCarry:
         self.consts, self.carry = self._init(self._state, self._slices, tokens_bp, prompt_lens_b, live_b, max_new,

@@ -14,7 +14,6 @@ Python driver that runs one jitted round at a time (debugging, per-round statist
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -22,12 +21,13 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from retrace_jax.commit import OutputBuffer, commit
+from retrace_jax.compile_cache import DecodeProgram, decode_program
 from retrace_jax.draft_vocab import DraftHead, draft_head, head_logits, to_full_vocab, to_target_ids
 from retrace_jax.kv_cache import KVCache
 from retrace_jax.plain_loop import StepConstants
 from retrace_jax.retrace import Memory, shift_memory
 from retrace_jax.sampling import SamplingMode, SamplingParams, row_keys, step_keys
-from retrace_jax.target import layer_slices_for, merge_target, prefill
+from retrace_jax.target import merge_target, per_layer_weights, prefill
 from retrace_jax.verify import accepted_count, committed_tokens, rejection_sample, target_sample_match
 
 
@@ -176,24 +176,24 @@ def speculative_round(models, consts: RoundConstants, c: SpecCarry) -> tuple[Spe
     return carry, RoundInfo(active, start, a, proposals, tokens, full_logits)
 
 
-@functools.partial(
-    jax.jit,
+@decode_program(
     static_argnames=("target_def", "drafter_def", "capacity", "block_size", "use_retrace", "mode", "mesh",
                      "cache_dtype", "attention", "layer_loop"),
 )
 def speculative_generate(target_def, target_state, drafter_def, drafter_state, tokens_bp, prompt_lens_b,
                          live_b, max_new, stop_ids, sampling: SamplingParams, *, capacity, block_size,
                          use_retrace=True, mode: SamplingMode = SamplingMode(), mesh=None, cache_dtype=None,
-                         attention="auto", layer_loop="auto"):
+                         attention="auto", layer_loop="auto", slices=None):
     """Speculative decoding of a right-padded batch, greedy or by rejection sampling; row ``b`` uses key
     ``fold_in(PRNGKey(seed), b)`` folded with its step (0 for prefill, round + 1 after).
 
     A ReTrace drafter carries its rejected-suffix memory from round to round unless ``use_retrace`` is
     False. With a ``mesh`` both caches are sharded (batch over data, KV heads over tensor). Returns the
     output buffer, the acceptance lengths ``[B, capacity]`` and the rounds per row. ``layer_loop``:
-    "scan" or "unrolled" (see ``TargetModel.unroll_layers``).
+    "scan" or "unrolled" (see ``TargetModel.unroll_layers``); an unrolled loop takes the target's per-layer
+    weights from ``slices`` (see :func:`~retrace_jax.target.per_layer_weights`), or slices them itself.
     """
-    models = (merge_target(target_def, target_state, layer_loop), nnx.merge(drafter_def, drafter_state))
+    models = (merge_target(target_def, target_state, layer_loop, slices), nnx.merge(drafter_def, drafter_state))
     consts, init = speculative_init(models, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampling,
                                     capacity=capacity, block_size=block_size, use_retrace=use_retrace, mode=mode,
                                     mesh=mesh, cache_dtype=cache_dtype, attention=attention)
@@ -207,14 +207,14 @@ class SpeculativeStepper:
     and returns its :class:`RoundInfo`; ``done`` says when every row has finished. The rounds are
     exactly those of :func:`speculative_generate` (same function), so the outputs are identical.
 
-    With the unrolled layer loop (the CPU default) the target's per-layer weights are sliced once, here,
-    and kept beside the stacked ones (a second copy of the target's layers) instead of at every call."""
+    With the unrolled layer loop (the CPU default) it uses the target's kept per-layer weights, as
+    ``generate`` does (:func:`~retrace_jax.target.per_layer_weights`)."""
 
     def __init__(self, target, drafter, layer_loop: str = "auto", **static):
         self._layer_loop = layer_loop
         self._defs = (nnx.graphdef(target), nnx.graphdef(drafter))
         self._states = (nnx.state(target), nnx.state(drafter))
-        self._slices = layer_slices_for(self._defs[0], self._states[0], layer_loop)
+        self._slices = per_layer_weights(target, layer_loop)
         self.consts = self.carry = None
 
         def init(states, slices, *args):
@@ -223,7 +223,7 @@ class SpeculativeStepper:
         def step(states, slices, consts, carry):
             return speculative_round(self._models(states, slices), consts, carry)
 
-        self._init, self._step = jax.jit(init), jax.jit(step, donate_argnums=3)  # the carry is updated in place
+        self._init, self._step = DecodeProgram(init), DecodeProgram(step, donate_argnums=3)  # carry updated in place
 
     def _models(self, states, slices):
         return (merge_target(self._defs[0], states[0], self._layer_loop, slices), nnx.merge(self._defs[1], states[1]))

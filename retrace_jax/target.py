@@ -6,6 +6,7 @@ The decoder blocks are stacked (every parameter has a leading layer axis ``L``) 
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple, Sequence
 
 import jax
@@ -88,9 +89,10 @@ class TargetModel(nnx.Module):
 
         A scan slices each layer's weights out of the stacked arrays at every step, and on CPU that slice
         is a copy, which made batch-1 decoding of SmolLM2-135M (memory-bound) 1.6x slower; the unrolled
-        loop avoids it at the price of one copy of the weights per program run and a compile time that
-        grows with depth. ``generate(layer_loop="unrolled")`` uses it (its prefill still scans: see
-        :func:`prefill`)."""
+        loop avoids it at the price of a second copy of the layer weights and a compile time that grows
+        with depth. ``generate(layer_loop="unrolled")`` uses it with the copies that
+        :func:`per_layer_weights` keeps beside the target, so that its programs slice nothing (its prefill
+        still scans: see :func:`prefill`)."""
         object.__setattr__(self, "_per_layer", self.layer_slices() if slices is None else list(slices))
         return self
 
@@ -185,13 +187,32 @@ def merge_target(graphdef, state, layer_loop: str = "auto", slices: list | None 
     return model.unroll_layers(slices) if resolve_layer_loop(layer_loop) == "unrolled" else model
 
 
-def layer_slices_for(graphdef, state, layer_loop: str = "auto") -> list | None:
-    """The per-layer weight slices that an unrolled program would make at every call, made once (a
-    second copy of the target's layers), or None for a scan: for drivers that call a jitted step or round
-    many times (:class:`~retrace_jax.plain_loop.PlainStepper`, ``SpeculativeStepper``)."""
+_PER_LAYER = weakref.WeakKeyDictionary()  # target -> (its stacked layer arrays, per-layer copies of them)
+
+
+@jax.jit
+def _layer_of(stacked, layer):
+    """Layer ``layer`` of a stacked weight: one small program per weight shape, whatever the layer."""
+    return jax.lax.dynamic_index_in_dim(stacked, layer, keepdims=False)
+
+
+def per_layer_weights(target: TargetModel, layer_loop: str = "auto") -> list | None:
+    """The target's layers as separate per-layer arrays for an unrolled program (``None`` for a scan),
+    made once and kept beside the stacked ones while ``target`` lives: a second copy of the layer
+    weights, which an unrolled program would otherwise slice out at every call (one copy of the weights
+    per call, and one compiled slice per layer and weight, several seconds of compile time for a
+    30-layer model). The copies are remade when the target's layer arrays change (JAX arrays are
+    immutable, so new weights are new arrays)."""
     if resolve_layer_loop(layer_loop) != "unrolled":
         return None
-    return jax.jit(lambda s: nnx.merge(graphdef, s).layer_slices())(state)
+    _, params = nnx.split(target.layers)
+    leaves, treedef = jax.tree.flatten(params)
+    kept = _PER_LAYER.get(target)
+    if kept is not None and len(kept[0]) == len(leaves) and all(a is b for a, b in zip(kept[0], leaves)):
+        return kept[1]
+    slices = [jax.tree.unflatten(treedef, [_layer_of(a, i) for a in leaves]) for i in range(target.cfg.num_layers)]
+    _PER_LAYER[target] = (tuple(leaves), slices)
+    return slices
 
 
 def forward_beside_context(model: TargetModel, tokens_bt, positions_bt, ctx: KVCache, mask_bt_st):

@@ -101,7 +101,7 @@ def test_layer_loops_and_attention_paths_give_the_same_tokens():
 
 @pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
 def test_steppers_commit_what_generate_commits(layer_loop):
-    """The step-at-a-time drivers (per-layer weights sliced once when unrolled) give generate's tokens."""
+    """The step-at-a-time drivers (with the kept per-layer weights when unrolled) give generate's tokens."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -126,3 +126,62 @@ def test_steppers_commit_what_generate_commits(layer_loop):
     while not spec.done:
         spec.step()
     assert spec.carry.buf.tokens[0, : int(spec.carry.buf.num[0])].tolist() == want
+
+
+def test_unrolled_programs_keep_per_layer_weights_that_follow_the_target():
+    """An unrolled program takes the target's layers as per-layer copies made once and kept beside the
+    target: the same copies for every call, new ones when the weights change (never stale ones), and
+    none left once the target is gone."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    from retrace_jax.target import per_layer_weights
+    from retrace_jax.tiny import tiny_target
+
+    target = tiny_target()
+    first = per_layer_weights(target, "unrolled")
+    assert per_layer_weights(target, "unrolled") is first
+    assert per_layer_weights(target, "scan") is None
+    stacked = target.layers.mlp.down_proj.kernel[...]
+    assert len(first) == target.cfg.num_layers
+    for i, layer in enumerate(first):
+        np.testing.assert_array_equal(layer["mlp"]["down_proj"]["kernel"][...], stacked[i])
+
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    before = rj.generate(target, prompts, 12, layer_loop="unrolled").tokens
+    target.layers.mlp.down_proj.kernel.set_value(-stacked)
+    after = rj.generate(target, prompts, 12, layer_loop="unrolled").tokens
+    assert after != before  # the new weights were used
+    assert after == rj.generate(target, prompts, 12, layer_loop="scan").tokens
+    again = per_layer_weights(target, "unrolled")
+    assert again is not first
+    np.testing.assert_array_equal(again[1]["mlp"]["down_proj"]["kernel"][...], -stacked[1])
+
+    kept = weakref.ref(again[0]["mlp"]["down_proj"]["kernel"][...])
+    del target, first, again, layer
+    gc.collect()
+    assert kept() is None
+
+
+def test_decode_programs_compile_with_the_cpu_options_on_cpu(monkeypatch):
+    """On CPU the decode programs go to XLA with CPU_COMPILER_OPTIONS: a bad option there fails the
+    compilation, so the options do reach XLA; with the real ones the result is the plain jit's."""
+    import jax
+    import pytest
+
+    from retrace_jax import compile_cache
+    from retrace_jax.plain_loop import plain_generate
+    from retrace_jax.speculative_loop import speculative_generate
+
+    assert jax.default_backend() == "cpu"
+    for program in (plain_generate, speculative_generate):
+        assert isinstance(program, compile_cache.DecodeProgram)
+    good = compile_cache.DecodeProgram(lambda x: x * 2.0 + 1.0)
+    assert float(good(3.0)) == float(good.default(3.0)) == 7.0
+    monkeypatch.setattr(compile_cache, "CPU_COMPILER_OPTIONS", {"xla_cpu_opt_preset": "NO_SUCH_PRESET"})
+    bad = compile_cache.DecodeProgram(lambda x: x * 2.0 + 1.0)
+    assert float(bad.default(3.0)) == 7.0
+    with pytest.raises(Exception, match="xla_cpu_opt_preset"):
+        bad(3.0)
