@@ -30,3 +30,28 @@ def test_time_methods_times_prefill_as_the_same_program_stopped_at_its_first_tok
         assert 0 < t["prefill_s"] and 0 < t["total_s"]
     with pytest.raises(ValueError, match="repeats"):
         time_methods(target, ids, 24, methods, repeats=0)
+
+
+def test_compile_time_benchmark_runs_and_reports_every_program(tmp_path):
+    """benchmarks/compile_time.py on a small model: a row per program, layer loop and option set, with
+    positive stage times (the numbers of docs/performance.md come from its full-size run)."""
+    import json
+
+    import jax
+
+    from benchmarks import compile_time
+
+    out = tmp_path / "compile_time.json"
+    cache = jax.config.jax_enable_compilation_cache
+    try:
+        compile_time.main(["--layers", "4", "--quick", "--tokens", "8", "--repeats", "1", "--compile-repeats", "1",
+                           "--variants", "unrolled,unrolled-sliced", "--options", "cpu", "--out", str(out)])
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache)  # the benchmark turns it off
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["program"], r["layer_loop"], r["options"]) for r in rows] == [
+        ("plain", "unrolled", "cpu"), ("plain", "unrolled-sliced", "cpu"),
+        ("speculative", "unrolled", "cpu"), ("speculative", "unrolled-sliced", "cpu")]
+    assert all(r["compile_s"] > 0 and r["ms_per_token"] > 0 for r in rows)
+    with pytest.raises(SystemExit):
+        compile_time.main(["--variants", "python"])
