@@ -221,7 +221,7 @@ def train(cfg, log=print) -> dict:
         start = ckpts.latest_step() or 0
         if start:
             check_resume(ckpts, start, s.settings, cfg.out)
-        return _run(cfg, s.target, s.drafter, s.data, eval_ids, s.mesh, ckpts, start, s.settings, log)
+        return _run(cfg, s, eval_ids, ckpts, start, log)
     finally:
         ckpts.close()
 
@@ -231,7 +231,7 @@ def export_checkpoint(cfg, step: int | None = None, log=print) -> str:
     ``OUT/drafter_step{N}`` in the official layout, without training: to evaluate a run that is still going
     (its checkpoints are only read) or one that stopped early. The configuration must be the run's own."""
     cfg = as_config(cfg)
-    s = _setup(cfg, log)
+    initialize(cfg.train.distributed)  # before the checkpoints touch JAX (_setup's call then does nothing)
     ckpts = Checkpoints(os.path.join(cfg.out, "checkpoints"), keep=cfg.train.keep_checkpoints, read_only=True)
     try:
         steps = list(ckpts.manager.all_steps())
@@ -242,6 +242,7 @@ def export_checkpoint(cfg, step: int | None = None, log=print) -> str:
         elif step not in steps:
             raise FileNotFoundError(f"no checkpoint of step {step} in {ckpts.directory}; there are: "
                                     f"{', '.join(map(str, sorted(steps)))}")
+        s = _setup(cfg, log)  # the target and the data load only once the step is known to exist
         check_resume(ckpts, step, s.settings, cfg.out)
         _, drafter_def, drafter_state, fixed, opt_state = _trainable(cfg, s.drafter, s.mesh)
         drafter_state, _, _ = ckpts.restore(step, drafter_state, opt_state)
@@ -252,8 +253,9 @@ def export_checkpoint(cfg, step: int | None = None, log=print) -> str:
     return path
 
 
-def _run(cfg: TrainConfig, target, drafter, data, eval_ids, mesh, ckpts, start, settings, log) -> dict:
+def _run(cfg: TrainConfig, setup: _Setup, eval_ids, ckpts, start, log) -> dict:
     t = cfg.train
+    target, drafter, data, mesh, settings = setup.target, setup.drafter, setup.data, setup.mesh, setup.settings
     target_def, target_state = nnx.split(target)
     optimizer, drafter_def, drafter_state, fixed, opt_state = _trainable(cfg, drafter, mesh)
     drafter_sh = jax.tree.map(lambda x: x.sharding, drafter_state)
