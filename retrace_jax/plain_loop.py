@@ -6,12 +6,14 @@ calls it, and :class:`PlainStepper` calls it one jitted step at a time (benchmar
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
 from retrace_jax.commit import OutputBuffer, commit
-from retrace_jax.compile_cache import DecodeProgram, decode_program
+from retrace_jax.compile_cache import DecodeProgram
 from retrace_jax.kv_cache import KVCache
 from retrace_jax.sampling import SamplingMode, SamplingParams, row_keys, step_keys
 from retrace_jax.target import merge_target, per_layer_weights, prefill
@@ -59,7 +61,8 @@ def plain_step(model, consts: StepConstants, c: PlainCarry) -> PlainCarry:
     return PlainCarry(out.cache.replace(lengths=lengths).constrain(consts.mesh), buf, next_b)
 
 
-@decode_program(static_argnames=("graphdef", "capacity", "mode", "mesh", "cache_dtype", "attention", "layer_loop"))
+@functools.partial(DecodeProgram, static_argnames=("graphdef", "capacity", "mode", "mesh", "cache_dtype",
+                                                   "attention", "layer_loop"))
 def plain_generate(graphdef, state, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids,
                    sampling: SamplingParams, *, capacity, mode: SamplingMode = SamplingMode(), mesh=None,
                    cache_dtype=None, attention="auto", layer_loop="auto", slices=None):

@@ -14,6 +14,7 @@ Python driver that runs one jitted round at a time (debugging, per-round statist
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from retrace_jax.commit import OutputBuffer, commit
-from retrace_jax.compile_cache import DecodeProgram, decode_program
+from retrace_jax.compile_cache import DecodeProgram
 from retrace_jax.draft_vocab import DraftHead, draft_head, head_logits, to_full_vocab, to_target_ids
 from retrace_jax.kv_cache import KVCache
 from retrace_jax.plain_loop import StepConstants
@@ -176,7 +177,8 @@ def speculative_round(models, consts: RoundConstants, c: SpecCarry) -> tuple[Spe
     return carry, RoundInfo(active, start, a, proposals, tokens, full_logits)
 
 
-@decode_program(
+@functools.partial(
+    DecodeProgram,
     static_argnames=("target_def", "drafter_def", "capacity", "block_size", "use_retrace", "mode", "mesh",
                      "cache_dtype", "attention", "layer_loop"),
 )

@@ -80,7 +80,7 @@ class TargetModel(nnx.Module):
     def layer_slices(self) -> list:
         """The stacked blocks' parameters sliced into one pytree per layer (copies, on CPU)."""
         _, params = nnx.split(self.layers)
-        return [jax.tree.map(lambda a, i=i: a[i], params) for i in range(self.cfg.num_layers)]
+        return [jax.tree.map(lambda a, i=i: _layer_of(a, i), params) for i in range(self.cfg.num_layers)]
 
     def unroll_layers(self, slices: list | None = None) -> "TargetModel":
         """Slices the stacked blocks into separate per-layer arrays, once (call it inside a jitted program
@@ -192,7 +192,8 @@ _PER_LAYER = weakref.WeakKeyDictionary()  # target -> (its stacked layer arrays,
 
 @jax.jit
 def _layer_of(stacked, layer):
-    """Layer ``layer`` of a stacked weight: one small program per weight shape, whatever the layer."""
+    """Layer ``layer`` of a stacked weight: called eagerly, one small program per weight shape whatever
+    the layer; inside a jitted program, a slice."""
     return jax.lax.dynamic_index_in_dim(stacked, layer, keepdims=False)
 
 
@@ -205,12 +206,11 @@ def per_layer_weights(target: TargetModel, layer_loop: str = "auto") -> list | N
     immutable, so new weights are new arrays)."""
     if resolve_layer_loop(layer_loop) != "unrolled":
         return None
-    _, params = nnx.split(target.layers)
-    leaves, treedef = jax.tree.flatten(params)
+    leaves = jax.tree.leaves(nnx.split(target.layers)[1])
     kept = _PER_LAYER.get(target)
     if kept is not None and len(kept[0]) == len(leaves) and all(a is b for a, b in zip(kept[0], leaves)):
         return kept[1]
-    slices = [jax.tree.unflatten(treedef, [_layer_of(a, i) for a in leaves]) for i in range(target.cfg.num_layers)]
+    slices = target.layer_slices()
     _PER_LAYER[target] = (tuple(leaves), slices)
     return slices
 
