@@ -13,10 +13,8 @@ table gives the medians.
 XLA options: ``cpu`` are the options ``generate``'s programs compile with on CPU (``CPU_COMPILER_OPTIONS``
 in ``retrace_jax/compile_cache.py``: XLA's fast-compile preset), ``default`` XLA's own.
 Layer loops: ``unrolled`` is what ``generate`` runs on CPU (the per-layer weights that
-``per_layer_weights`` keeps beside the target, with q/k/v and gate/up fused, are arguments of the
-program); ``unrolled-unfused`` is the same with the projections kept separate, as before;
-``unrolled-sliced`` slices (and fuses) the weights inside the program at every call; ``scan`` is the
-accelerator default.
+``per_layer_weights`` keeps beside the target are arguments of the program); ``unrolled-sliced`` is the
+same loop slicing those weights inside the program, as it did before; ``scan`` is the accelerator default.
 Random weights time compilation and decoding as well as real ones (no stop token is given, so every run
 generates exactly ``--tokens`` tokens).
 """
@@ -50,7 +48,7 @@ SMOLLM2_135M = dataclasses.replace(
     TINY_QWEN3, model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
     num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
     qk_norm=False)
-VARIANTS = ("unrolled", "unrolled-unfused", "unrolled-sliced", "scan")
+VARIANTS = ("unrolled", "unrolled-sliced", "scan")
 OPTIONS = ("cpu", "default")  # the decode programs' compiler options on CPU (CPU_COMPILER_OPTIONS), XLA's own
 
 
@@ -99,7 +97,6 @@ def main(argv=None):
     start = time.perf_counter()
     slices = jax.block_until_ready(per_layer_weights(target, "unrolled"))
     slice_s = time.perf_counter() - start
-    unfused = target.layer_slices() if "unrolled-unfused" in variants else None
 
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size - 1, args.prompt_len)
     tokens = np.zeros((1, bucket(args.prompt_len)), np.int32)
@@ -110,7 +107,7 @@ def main(argv=None):
 
     def program(method, variant, option):
         loop = "scan" if variant == "scan" else "unrolled"
-        kept = {"unrolled": slices, "unrolled-unfused": unfused}.get(variant)
+        kept = slices if variant == "unrolled" else None
         if method == "plain":
             fn, fargs, dynamic = plain_generate, (tdef, tstate, *data), (tstate, *data)
             static = {"capacity": capacity, "layer_loop": loop}

@@ -40,38 +40,16 @@ def linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear
     )
 
 
-def fuse_linears(*linears: nnx.Linear) -> nnx.Linear:
-    """One dense layer computing the outputs of ``linears`` (same input, same flags) side by side, in
-    their order: their kernels (and biases) concatenated along the output axis. Works on stacked layers
-    too (a leading layer axis)."""
-    fused = nnx.clone(linears[0])
-    fused.kernel.set_value(jnp.concatenate([lin.kernel[...] for lin in linears], axis=-1))
-    if fused.bias is not None:
-        fused.bias.set_value(jnp.concatenate([lin.bias[...] for lin in linears], axis=-1))
-    fused.out_features = sum(lin.out_features for lin in linears)
-    return fused
-
-
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``; ``gate`` and ``up`` may be fused into one
-    ``gate_up_proj`` (see :meth:`DecoderBlock.fuse_projections`)."""
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
 
     def __init__(self, dim: int, hidden: int, bias: bool, dtype, rngs: nnx.Rngs):
         self.gate_proj = linear(dim, hidden, bias, dtype, rngs)
         self.up_proj = linear(dim, hidden, bias, dtype, rngs)
         self.down_proj = linear(hidden, dim, bias, dtype, rngs)
 
-    def fuse_projections(self):
-        """Replaces ``gate_proj`` and ``up_proj`` by one ``gate_up_proj`` with the same outputs (in place)."""
-        self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
-        del self.gate_proj, self.up_proj
-
     def __call__(self, x):
-        if hasattr(self, "gate_up_proj"):
-            gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def rope(x_bthd, positions_bt, theta: float):
@@ -122,48 +100,28 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(hd, spec.rms_norm_eps, dtype=dtype)
         self.spec = spec
 
-    def fuse_projections(self):
-        """Replaces ``q_proj``, ``k_proj`` and ``v_proj`` by one ``qkv_proj`` with the same outputs (in
-        place): one matrix product per call instead of three."""
-        self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
-        del self.q_proj, self.k_proj, self.v_proj
-
-    def projections(self, x_btd, names: str = "qkv") -> list:
-        """The query, key and value projections named in ``names``, ``[B, T, heads, D]`` each, before
-        norms and RoPE; one product when the projections are fused."""
-        spec = self.spec
-        b, t, _ = x_btd.shape
-        heads = {"q": spec.num_heads, "k": spec.num_kv_heads, "v": spec.num_kv_heads}
-        if hasattr(self, "qkv_proj"):
-            q_end, k_end = spec.num_heads * spec.head_dim, (spec.num_heads + spec.num_kv_heads) * spec.head_dim
-            outs = dict(zip("qkv", jnp.split(self.qkv_proj(x_btd), [q_end, k_end], axis=-1)))
-        else:
-            outs = {n: getattr(self, f"{n}_proj")(x_btd) for n in names}
-        return [outs[n].reshape(b, t, heads[n], spec.head_dim) for n in names]
-
-    def _keys(self, k_btkd, positions_bt):
-        if self.spec.qk_norm:
-            k_btkd = self.k_norm(k_btkd)
-        return rope(k_btkd, positions_bt, self.spec.rope_theta)
-
-    def _queries(self, q_bthd, positions_bt):
-        if self.spec.qk_norm:
-            q_bthd = self.q_norm(q_bthd)
-        return rope(q_bthd, positions_bt, self.spec.rope_theta)
-
     def keys_values(self, x_btd, positions_bt):
         """Keys (normed when the model has q/k norms, rotated) and values ``[B, T, K, D]`` of ``x``."""
-        k, v = self.projections(x_btd, "kv")
-        return self._keys(k, positions_bt), v
+        spec = self.spec
+        b, t, _ = x_btd.shape
+        k = self.k_proj(x_btd).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+        v = self.v_proj(x_btd).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+        if spec.qk_norm:
+            k = self.k_norm(k)
+        return rope(k, positions_bt, spec.rope_theta), v
 
     def queries(self, x_btd, positions_bt):
-        (q,) = self.projections(x_btd, "q")
-        return self._queries(q, positions_bt)
+        spec = self.spec
+        b, t, _ = x_btd.shape
+        q = self.q_proj(x_btd).reshape(b, t, spec.num_heads, spec.head_dim)
+        if spec.qk_norm:
+            q = self.q_norm(q)
+        return rope(q, positions_bt, spec.rope_theta)
 
     def __call__(self, x_btd, positions_bt, attend: Attend):
         b, t, _ = x_btd.shape
-        q, k, v = self.projections(x_btd)
-        out, aux = attend(self._queries(q, positions_bt), self._keys(k, positions_bt), v)
+        k, v = self.keys_values(x_btd, positions_bt)
+        out, aux = attend(self.queries(x_btd, positions_bt), k, v)
         return self.o_proj(out.reshape(b, t, -1)), aux
 
 
@@ -175,14 +133,6 @@ class DecoderBlock(nnx.Module):
         self.self_attn = Attention(spec, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, dtype, rngs)
-
-    def fuse_projections(self) -> DecoderBlock:
-        """Fuses q/k/v into one projection and gate/up into another, in place (same outputs, fewer and
-        larger matrix products), and returns the block. The checkpoint layout keeps them separate; the
-        target's per-layer copies for CPU programs are fused (``TargetModel.layer_slices``)."""
-        self.self_attn.fuse_projections()
-        self.mlp.fuse_projections()
-        return self
 
     def __call__(self, x_btd, positions_bt, attend: Attend):
         attn, aux = self.self_attn(self.input_layernorm(x_btd), positions_bt, attend)

@@ -6,7 +6,6 @@ The decoder blocks are stacked (every parameter has a leading layer axis ``L``) 
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import NamedTuple, Sequence
 
@@ -78,20 +77,15 @@ class TargetModel(nnx.Module):
             return self.embed_tokens.embedding[...]
         return self.lm_head.kernel[...].T
 
-    def layer_slices(self, fused: bool = False) -> list:
-        """The stacked blocks' parameters sliced into one pytree per layer (copies, on CPU). ``fused``:
-        the parameters of blocks whose q/k/v and gate/up projections are fused
-        (:meth:`~retrace_jax.layers.DecoderBlock.fuse_projections`; what unrolled programs run)."""
-        graphdef, params = nnx.split(self.layers)
-        if fused:
-            return [_fused_layer_of(graphdef, params, i) for i in range(self.cfg.num_layers)]
+    def layer_slices(self) -> list:
+        """The stacked blocks' parameters sliced into one pytree per layer (copies, on CPU)."""
+        _, params = nnx.split(self.layers)
         return [jax.tree.map(lambda a, i=i: _layer_of(a, i), params) for i in range(self.cfg.num_layers)]
 
     def unroll_layers(self, slices: list | None = None) -> "TargetModel":
         """Slices the stacked blocks into separate per-layer arrays, once (call it inside a jitted program
-        before its decode loop, with fused projections), or takes ``slices`` made earlier by
-        :meth:`layer_slices` (fused or not): later calls then run a Python loop over them instead of a
-        ``lax.scan``.
+        before its decode loop), or takes ``slices`` made earlier by :meth:`layer_slices`: later calls
+        then run a Python loop over them instead of a ``lax.scan``.
 
         A scan slices each layer's weights out of the stacked arrays at every step, and on CPU that slice
         is a copy, which made batch-1 decoding of SmolLM2-135M (memory-bound) 1.6x slower; the unrolled
@@ -99,7 +93,7 @@ class TargetModel(nnx.Module):
         with depth. ``generate(layer_loop="unrolled")`` uses it with the copies that
         :func:`per_layer_weights` keeps beside the target, so that its programs slice nothing (its prefill
         still scans: see :func:`prefill`)."""
-        object.__setattr__(self, "_per_layer", self.layer_slices(fused=True) if slices is None else list(slices))
+        object.__setattr__(self, "_per_layer", self.layer_slices() if slices is None else list(slices))
         return self
 
     def run_layers(self, x_btd, positions_bt, attend_at, carry, feature_layers: Sequence[int] = (),
@@ -133,8 +127,6 @@ class TargetModel(nnx.Module):
         if per_layer is None:
             (x, carry, feats), _ = jax.lax.scan(body, (x_btd, carry, feats), (params, jnp.arange(num_layers)))
         else:  # separate arrays per layer (see unroll_layers): a Python loop, no weight slicing per call
-            if _is_fused(per_layer[0]):
-                graphdef = _fused_graphdef(graphdef, params)
             state = (x_btd, carry, feats)
             for i, layer_params in enumerate(per_layer):
                 state, _ = body(state, (layer_params, i))
@@ -205,44 +197,20 @@ def _layer_of(stacked, layer):
     return jax.lax.dynamic_index_in_dim(stacked, layer, keepdims=False)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _fused_layer_of(graphdef, stacked, layer):
-    """The parameters of layer ``layer`` of stacked blocks, with its projections fused: one small program
-    whatever the layer."""
-    params = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), stacked)
-    return nnx.state(nnx.merge(graphdef, params).fuse_projections())
-
-
-def _fused_graphdef(graphdef, stacked):
-    """The graph of one fused block (see ``_fused_layer_of``), found abstractly: nothing is computed."""
-    return nnx.graphdef(nnx.eval_shape(lambda: nnx.merge(graphdef, stacked).fuse_projections()))
-
-
-def _is_fused(layer_params) -> bool:
-    return "qkv_proj" in layer_params["self_attn"]
-
-
 def per_layer_weights(target: TargetModel, layer_loop: str = "auto") -> list | None:
     """The target's layers as separate per-layer arrays for an unrolled program (``None`` for a scan),
     made once and kept beside the stacked ones while ``target`` lives: a second copy of the layer
     weights, which an unrolled program would otherwise slice out at every call (one copy of the weights
     per call, and one compiled slice per layer and weight, several seconds of compile time for a
     30-layer model). The copies are remade when the target's layer arrays change (JAX arrays are
-    immutable, so new weights are new arrays).
-
-    On one device the copies are of fused blocks (``layer_slices(fused=True)``): q/k/v and gate/up are
-    one matrix each, so a batch-1 decode step makes 4 matrix-vector products per layer instead of 7. On
-    CPU, XLA compiles each matrix-vector product as a kernel of its own; for SmolLM2-135M that took the
-    plain program's XLA compilation from about 10 to about 7.5 s, and decoding is as fast. Weights
-    sharded over several devices stay separate (a fused matrix would split across the heads' shards)."""
+    immutable, so new weights are new arrays)."""
     if resolve_layer_loop(layer_loop) != "unrolled":
         return None
     leaves = jax.tree.leaves(nnx.split(target.layers)[1])
     kept = _PER_LAYER.get(target)
     if kept is not None and len(kept[0]) == len(leaves) and all(a is b for a, b in zip(kept[0], leaves)):
         return kept[1]
-    single_device = all(len(a.sharding.device_set) == 1 for a in leaves)
-    slices = target.layer_slices(fused=single_device)
+    slices = target.layer_slices()
     _PER_LAYER[target] = (tuple(leaves), slices)
     return slices
 
