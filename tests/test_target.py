@@ -7,7 +7,7 @@ import torch
 
 import retrace_jax as rj
 from retrace_jax.kv_cache import KVCache
-from retrace_jax.target import prefill
+from retrace_jax.target import per_layer_weights, prefill
 
 TOL = 1e-4
 
@@ -26,10 +26,14 @@ def test_prefill_logits_match_hf(family, hf_model_dir):
     np.testing.assert_array_equal(np.asarray(out.cache.lengths), [9, 9])
 
 
-def test_cached_decoding_with_ragged_rows_matches_hf(family, hf_model_dir):
-    """Rows of different prompt lengths decode token by token, each at its own cache offset."""
+@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
+def test_cached_decoding_with_ragged_rows_matches_hf(family, hf_model_dir, layer_loop):
+    """Rows of different prompt lengths decode token by token, each at its own cache offset; also through
+    the per-layer weight copies that unrolled (CPU) programs run."""
     model, directory = hf_model_dir(family)
     target = rj.load_target(directory)
+    if layer_loop == "unrolled":
+        target.unroll_layers(per_layer_weights(target, "unrolled"))  # the decode steps; the prefill scans
     rng = np.random.RandomState(1)
     lens = [3, 7]
     seqs = [rng.randint(0, 128, (lens[b] + 6,)) for b in range(2)]
