@@ -185,3 +185,36 @@ def test_decode_programs_compile_with_the_cpu_options_on_cpu(monkeypatch):
     assert float(bad.default(3.0)) == 7.0
     with pytest.raises(Exception, match="xla_cpu_opt_preset"):
         bad(3.0)
+
+
+def test_unrolled_layers_trace_one_block_whatever_the_depth(monkeypatch):
+    """Inside a trace, the unrolled layer loop calls one jitted decoder block per layer: JAX traces (and
+    lowers) the block once, so tracing and lowering time do not grow with depth; the tokens are checked
+    against transformers and the scan by the parity tests."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from retrace_jax import layers
+    from retrace_jax.tiny import TINY_QWEN3, tiny_target
+
+    traced = []
+    call = layers.DecoderBlock.__call__
+
+    def counting(self, *args, **kwargs):
+        traced.append(self)
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(layers.DecoderBlock, "__call__", counting)
+    counts = []
+    for depth in (3, 6):
+        target = tiny_target(cfg=dataclasses.replace(TINY_QWEN3, num_layers=depth)).unroll_layers()
+        cache = target.init_cache(1, 16)
+        traced.clear()
+        jax.make_jaxpr(lambda tokens, c: target(tokens, c).hidden)(jnp.zeros((1, 2), jnp.int32), cache)
+        counts.append(len(traced))
+        traced.clear()
+        target(jnp.zeros((1, 2), jnp.int32), cache)  # run eagerly, the loop calls the block per layer
+        counts.append(len(traced))
+    assert counts == [1, 3, 1, 6]
