@@ -1,7 +1,8 @@
 """Compile time of the decode programs, and tokens/s, for each way of running the target's layers.
 
-Plain greedy and speculative (DFlash) programs of a SmolLM2-135M-shaped target (Llama, 30 layers, d 576,
-vocabulary 49,152: the demo's model, random weights) with a random 2-layer, block-8 drafter. Each
+Plain greedy and speculative (DFlash, and ReTrace with ``--retrace``) programs of a SmolLM2-135M-shaped
+target (Llama, 30 layers, d 576, vocabulary 49,152: the demo's model, random weights) with a random
+2-layer, block-8 drafter. Each
 program is traced, lowered and compiled by XLA with the persistent compilation cache off, and each
 stage is timed on its own, ``--compile-repeats`` times round-robin (JAX's in-memory caches cleared
 before each); then the compiled programs generate ``--tokens`` tokens at batch 1, round-robin, and the
@@ -10,8 +11,10 @@ table gives the medians.
     python benchmarks/compile_time.py                    # the demo's shapes (a few minutes on 2 cores)
     python benchmarks/compile_time.py --layers 4 --quick # a smoke run
 
-XLA options: ``cpu`` are the options ``generate``'s programs compile with on CPU (``CPU_COMPILER_OPTIONS``
-in ``retrace_jax/compile_cache.py``: XLA's fast-compile preset), ``default`` XLA's own.
+XLA options: ``cpu`` are the options ``generate``'s programs compile with on CPU
+(``retrace_jax.compile_cache.cpu_compiler_options()``: XLA's fast-compile preset, and Eigen instead of
+YNNPACK for products of several rows where this XLA takes that option), ``cpu-preset`` the preset alone
+(what they compiled with before 2026-12-02), ``default`` XLA's own.
 Layer loops: ``unrolled`` is what ``generate`` runs on CPU (the per-layer weights that
 ``per_layer_weights`` keeps beside the target are arguments of the program); ``unrolled-sliced`` is the
 same loop slicing those weights inside the program, as it did before; ``scan`` is the accelerator default.
@@ -37,6 +40,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
+from retrace_jax import compile_cache  # noqa: E402
 from retrace_jax.generation import bucket  # noqa: E402
 from retrace_jax.plain_loop import plain_generate  # noqa: E402
 from retrace_jax.sampling import SamplingParams  # noqa: E402
@@ -49,7 +53,16 @@ SMOLLM2_135M = dataclasses.replace(
     num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
     qk_norm=False)
 VARIANTS = ("unrolled", "unrolled-sliced", "scan")
-OPTIONS = ("cpu", "default")  # the decode programs' compiler options on CPU (CPU_COMPILER_OPTIONS), XLA's own
+OPTIONS = ("cpu", "cpu-preset", "default")  # generate's CPU options, the preset alone, XLA's own
+
+
+def jit_with(program, option):
+    """The decode program jitted with the named compiler options (see the module docstring)."""
+    if option == "cpu":
+        return program.cpu
+    if option == "default":
+        return program.default
+    return program.with_options(compile_cache.CPU_COMPILER_OPTIONS)
 
 
 def staged(fn, *args, **kwargs):
@@ -73,7 +86,9 @@ def main(argv=None):
     p.add_argument("--compile-repeats", type=int, default=3, help="compilations per program")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--options", default=",".join(OPTIONS),
-                   help="cpu: the compiler options generate uses on CPU (XLA's fast-compile preset); default: XLA's")
+                   help="cpu: the compiler options generate uses on CPU; cpu-preset: XLA's fast-compile preset alone; "
+                        "default: XLA's")
+    p.add_argument("--retrace", action="store_true", help="also time a ReTrace program (random fusion weights)")
     p.add_argument("--quick", action="store_true", help="a small vocabulary and width: a smoke run")
     p.add_argument("--out", default=None, help="write the rows as JSON")
     args = p.parse_args(argv)
@@ -93,7 +108,10 @@ def main(argv=None):
                                   num_kv_heads=2, head_dim=32)
     target = tiny_target(cfg=cfg)
     drafter = rj.init_drafter(cfg, mask_token_id=cfg.vocab_size - 1, num_layers=2, block_size=8)
-    (tdef, tstate), (ddef, dstate) = nnx.split(target), nnx.split(drafter)
+    retrace_drafter = rj.init_drafter(cfg, mask_token_id=cfg.vocab_size - 1, num_layers=2, block_size=8,
+                                      retrace=rj.ReTraceConfig())
+    tdef, tstate = nnx.split(target)
+    drafters = {"speculative": nnx.split(drafter), "retrace": nnx.split(retrace_drafter)}
     start = time.perf_counter()
     slices = jax.block_until_ready(per_layer_weights(target, "unrolled"))
     slice_s = time.perf_counter() - start
@@ -112,11 +130,13 @@ def main(argv=None):
             fn, fargs, dynamic = plain_generate, (tdef, tstate, *data), (tstate, *data)
             static = {"capacity": capacity, "layer_loop": loop}
         else:
+            ddef, dstate = drafters[method]
             fn, fargs, dynamic = speculative_generate, (tdef, tstate, ddef, dstate, *data), (tstate, dstate, *data)
             static = {"capacity": capacity, "block_size": 8, "layer_loop": loop}
-        return getattr(fn, option), fargs, dynamic, static, kept
+        return jit_with(fn, option), fargs, dynamic, static, kept
 
-    configs = [(m, v, o) for m in ("plain", "speculative") for v in variants for o in options]
+    methods = ("plain", "speculative") + (("retrace",) if args.retrace else ())
+    configs = [(m, v, o) for m in methods for v in variants for o in options]
     stages, runs = {c: [] for c in configs}, {}
     for r in range(args.compile_repeats):  # round-robin; every compilation starts from empty in-memory caches
         for c in configs:

@@ -4,7 +4,10 @@ and the compiler options of the decode programs."""
 from __future__ import annotations
 
 import functools
+import logging
 import os
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_DIR = os.path.join("~", ".cache", "retrace_jax", "xla")
 
@@ -33,19 +36,57 @@ def enable_compilation_cache(directory: str | None = None) -> str:
 # fast (benchmarks/compile_time.py, docs/performance.md); GPUs and TPUs compile with XLA's defaults.
 CPU_COMPILER_OPTIONS = {"xla_cpu_opt_preset": "CPU_OPT_PRESET_FAST_COMPILE"}
 
+# Options for the speculative programs, whose hot products have several rows (the verify pass's and
+# the draft block's): an empty YNNPACK fusion type sends them to Eigen instead of YNNPACK. Side by side
+# at the demo's shapes (benchmarks/compile_time.py --retrace, three runs; docs/performance.md) DFlash
+# rounds ran 3-7% and ReTrace rounds 0-8% faster with it; plain decoding, whose products have one row,
+# ran 3-4% slower in two runs, so plain programs go without. The option is experimental in XLA: it is
+# kept only where a trivial program compiles with it.
+SEVERAL_ROW_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+@functools.cache
+def _xla_takes(name: str, value: str) -> bool:
+    import jax
+
+    try:
+        jax.jit(lambda x: x + 1, compiler_options={name: value}).lower(1.0).compile()
+    except Exception as e:  # noqa: BLE001  (XLA has no such option, or not this value)
+        logger.info("XLA here does not take the compiler option %s=%r (%s); compiling without it",
+                    name, value, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return False
+    return True
+
+
+def cpu_compiler_options(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The options a decode program compiles with on CPU: :data:`CPU_COMPILER_OPTIONS`, and those of
+    ``extra`` (e.g. :data:`SEVERAL_ROW_CPU_OPTIONS`) that this XLA takes (each probed once per process)."""
+    kept = {name: value for name, value in (extra or {}).items() if _xla_takes(name, value)}
+    return {**CPU_COMPILER_OPTIONS, **kept}
+
 
 class DecodeProgram:
-    """``jax.jit(fn, **jit_kwargs)`` that compiles with :data:`CPU_COMPILER_OPTIONS` when the default
-    backend is the CPU and with XLA's defaults elsewhere (one jitted function each, picked at call
-    time: ``default`` and ``cpu``). ``lower`` and ``trace`` pick the same way, for ahead-of-time use and HLO
-    checks."""
+    """``jax.jit(fn, **jit_kwargs)`` that compiles with :func:`cpu_compiler_options` (with
+    ``cpu_extra_options``) when the default backend is the CPU and with XLA's defaults elsewhere (one
+    jitted function each, picked at call time: ``default`` and ``cpu``, the latter made on first use).
+    ``lower`` and ``trace`` pick the same way, for ahead-of-time use and HLO checks."""
 
-    def __init__(self, fn, **jit_kwargs):
+    def __init__(self, fn, *, cpu_extra_options: dict[str, str] | None = None, **jit_kwargs):
         import jax
 
+        self._fn, self._jit_kwargs, self.cpu_extra_options = fn, jit_kwargs, cpu_extra_options
         self.default = jax.jit(fn, **jit_kwargs)
-        self.cpu = jax.jit(fn, compiler_options=CPU_COMPILER_OPTIONS, **jit_kwargs)
         functools.update_wrapper(self, fn)
+
+    @functools.cached_property
+    def cpu(self):
+        return self.with_options(cpu_compiler_options(self.cpu_extra_options))
+
+    def with_options(self, compiler_options: dict[str, str] | None):
+        """A new ``jax.jit`` of the function with these XLA options (for benchmarks and checks)."""
+        import jax
+
+        return jax.jit(self._fn, compiler_options=compiler_options, **self._jit_kwargs)
 
     def _pick(self):
         import jax

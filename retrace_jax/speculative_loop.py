@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from retrace_jax.commit import OutputBuffer, commit
-from retrace_jax.compile_cache import DecodeProgram
+from retrace_jax.compile_cache import SEVERAL_ROW_CPU_OPTIONS, DecodeProgram
 from retrace_jax.draft_vocab import DraftHead, draft_head, head_logits, to_full_vocab, to_target_ids
 from retrace_jax.kv_cache import KVCache
 from retrace_jax.plain_loop import StepConstants
@@ -151,7 +151,10 @@ def speculative_round(models, consts: RoundConstants, c: SpecCarry) -> tuple[Spe
     start = c.target_cache.lengths
     draft_hidden = draft_block(target, drafter, c.anchor_b, c.draft_cache, block_size, c.memory, consts.attention)
     head = consts.draft_head
-    draft_logits = head_logits(target, head, draft_hidden[:, 1:])  # [B, K, U] ([B, K, V] without a draft vocab)
+    # The head multiplies every block row and drops the anchor's logits after: XLA's CPU matmul (Eigen,
+    # see compile_cache) took 110 ms for 7 rows against the demo's vocabulary and 16 ms for 8
+    # (docs/performance.md); on accelerators one more row costs nothing.
+    draft_logits = head_logits(target, head, draft_hidden)[:, 1:]  # [B, K, U] ([B, K, V] without a draft vocab)
     keys = step_keys(consts.keys_b, c.rounds_b + 1)
     proposals = make_proposals(keys, draft_logits, consts.sampling, mode, head)
     block = jnp.concatenate([c.anchor_b[:, None], proposals], axis=1)
@@ -179,6 +182,7 @@ def speculative_round(models, consts: RoundConstants, c: SpecCarry) -> tuple[Spe
 
 @functools.partial(
     DecodeProgram,
+    cpu_extra_options=SEVERAL_ROW_CPU_OPTIONS,
     static_argnames=("target_def", "drafter_def", "capacity", "block_size", "use_retrace", "mode", "mesh",
                      "cache_dtype", "attention", "layer_loop"),
 )
@@ -225,7 +229,8 @@ class SpeculativeStepper:
         def step(states, slices, consts, carry):
             return speculative_round(self._models(states, slices), consts, carry)
 
-        self._init, self._step = DecodeProgram(init), DecodeProgram(step, donate_argnums=3)  # carry updated in place
+        self._init = DecodeProgram(init, cpu_extra_options=SEVERAL_ROW_CPU_OPTIONS)
+        self._step = DecodeProgram(step, cpu_extra_options=SEVERAL_ROW_CPU_OPTIONS, donate_argnums=3)  # in place
 
     def _models(self, states, slices):
         return (merge_target(self._defs[0], states[0], self._layer_loop, slices), nnx.merge(self._defs[1], states[1]))

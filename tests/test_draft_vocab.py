@@ -46,16 +46,21 @@ def qwen3(hf_model_dir):
     return rj.load_target(hf_model_dir("qwen3")[1])
 
 
-def test_the_whole_vocabulary_as_draft_vocabulary_changes_nothing(qwen3, trained_drafter):
+# Each setting compiles two speculative programs; the default run keeps greedy and one sampling rule.
+@pytest.mark.parametrize("kwargs", [
+    {},
+    dict(temperature=0.8, top_k=20, top_p=0.9, draft_rule="sample"),
+    pytest.param(dict(temperature=1.0), marks=pytest.mark.slow),
+    pytest.param(dict(temperature=1.0, draft_rule="target_sample"), marks=pytest.mark.slow),
+], ids=["greedy", "sample", "argmax", "target_sample"])
+def test_the_whole_vocabulary_as_draft_vocabulary_changes_nothing(qwen3, trained_drafter, kwargs):
     """Ids 0..V-1: the same logits in the same order, so the same tokens and rounds at T = 0 and under
     every draft rule at T = 1 (same seed)."""
     drafter, prompts = trained_drafter
     full = with_draft_vocab(drafter, np.arange(qwen3.cfg.vocab_size))
-    for kwargs in ({}, dict(temperature=1.0), dict(temperature=0.8, top_k=20, top_p=0.9, draft_rule="sample"),
-                   dict(temperature=1.0, draft_rule="target_sample")):
-        a = rj.generate(qwen3, prompts[:4], 32, drafter=drafter, **kwargs)
-        b = rj.generate(qwen3, prompts[:4], 32, drafter=full, **kwargs)
-        assert a.tokens == b.tokens and a.acceptance_lengths == b.acceptance_lengths, kwargs
+    a = rj.generate(qwen3, prompts[:4], 32, drafter=drafter, **kwargs)
+    b = rj.generate(qwen3, prompts[:4], 32, drafter=full, **kwargs)
+    assert a.tokens == b.tokens and a.acceptance_lengths == b.acceptance_lengths
 
 
 def test_a_partial_draft_vocabulary_is_lossless_and_proposes_only_its_tokens(qwen3, trained_drafter):
@@ -95,22 +100,26 @@ def test_slot_loss_counts_labels_outside_the_vocabulary_as_wrong_without_loss():
     np.testing.assert_allclose(np.asarray(outside.slot_accuracy), [0.0, 1.0, 0.0, 0.0])
 
 
-def test_losses_with_the_whole_vocabulary_as_draft_vocabulary_are_unchanged(qwen3, trained_drafter, tmp_path):
+@pytest.mark.parametrize("method", ["dflash", pytest.param("retrace", marks=pytest.mark.slow)])
+def test_losses_with_the_whole_vocabulary_as_draft_vocabulary_are_unchanged(qwen3, trained_drafter, tmp_path,
+                                                                             method):
     drafter, _ = trained_drafter
     rng = np.random.RandomState(0)
     tokens = jnp.asarray(rng.randint(0, 128, (2, 24)), jnp.int32)
     mask = jnp.asarray((np.arange(24) >= 4)[None].repeat(2, 0), jnp.int32)
     anchors, valid = sample_anchors(jax.random.PRNGKey(0), mask, 5, drafter.cfg.block_size)
-    rj.save_drafter(drafter, str(tmp_path / "d"))
-    retrace = with_random_retrace(rj.load_drafter(str(tmp_path / "d"), qwen3, retrace=True), seed=2)
-    for model, loss in ((drafter, lambda d: dflash_loss(d, qwen3, tokens, mask, anchors, valid)),
-                        (retrace, lambda d: retrace_loss(d, qwen3, tokens, mask, anchors, valid, 1.0, rounds=3)[1])):
-        whole = jax.tree.leaves(loss(model))
-        same = jax.tree.leaves(loss(with_draft_vocab(model, np.arange(128))))
-        for x, y in zip(whole, same):
-            np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-5, atol=1e-6)
-        part = jax.tree.leaves(loss(with_draft_vocab(model, np.arange(0, 128, 2))))
-        assert all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in part)
+    if method == "dflash":
+        model, loss = drafter, lambda d: dflash_loss(d, qwen3, tokens, mask, anchors, valid)
+    else:
+        rj.save_drafter(drafter, str(tmp_path / "d"))
+        model = with_random_retrace(rj.load_drafter(str(tmp_path / "d"), qwen3, retrace=True), seed=2)
+        loss = lambda d: retrace_loss(d, qwen3, tokens, mask, anchors, valid, 1.0, rounds=3)[1]  # noqa: E731
+    whole = jax.tree.leaves(loss(model))
+    same = jax.tree.leaves(loss(with_draft_vocab(model, np.arange(128))))
+    for x, y in zip(whole, same):
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-5, atol=1e-6)
+    part = jax.tree.leaves(loss(with_draft_vocab(model, np.arange(0, 128, 2))))
+    assert all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in part)
 
 
 def test_saved_beside_the_official_layout(qwen3, trained_drafter, tmp_path):

@@ -45,13 +45,13 @@ def test_compile_time_benchmark_runs_and_reports_every_program(tmp_path):
     cache = jax.config.jax_enable_compilation_cache
     try:
         compile_time.main(["--layers", "4", "--quick", "--tokens", "8", "--repeats", "1", "--compile-repeats", "1",
-                           "--variants", "unrolled,unrolled-sliced", "--options", "cpu", "--out", str(out)])
+                           "--variants", "unrolled", "--options", "cpu-preset", "--retrace", "--out", str(out)])
     finally:
         jax.config.update("jax_enable_compilation_cache", cache)  # the benchmark turns it off
     rows = json.loads(out.read_text())["rows"]
     assert [(r["program"], r["layer_loop"], r["options"]) for r in rows] == [
-        ("plain", "unrolled", "cpu"), ("plain", "unrolled-sliced", "cpu"),
-        ("speculative", "unrolled", "cpu"), ("speculative", "unrolled-sliced", "cpu")]
+        ("plain", "unrolled", "cpu-preset"), ("speculative", "unrolled", "cpu-preset"),
+        ("retrace", "unrolled", "cpu-preset")]
     assert all(r["compile_s"] > 0 and r["ms_per_token"] > 0 for r in rows)
     with pytest.raises(SystemExit):
         compile_time.main(["--variants", "python"])
