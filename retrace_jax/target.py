@@ -89,8 +89,8 @@ class TargetModel(nnx.Module):
 
         A scan slices each layer's weights out of the stacked arrays at every step, and on CPU that slice
         is a copy, which made batch-1 decoding of SmolLM2-135M (memory-bound) 1.6x slower; the unrolled
-        loop avoids it at the price of a second copy of the layer weights and a compile time that grows
-        with depth. ``generate(layer_loop="unrolled")`` uses it with the copies that
+        loop avoids it at the price of a second copy of the layer weights and an XLA compile time that
+        grows with depth (JAX traces the block once: see :meth:`run_layers`). ``generate(layer_loop="unrolled")`` uses it with the copies that
         :func:`per_layer_weights` keeps beside the target, so that its programs slice nothing (its prefill
         still scans: see :func:`prefill`)."""
         object.__setattr__(self, "_per_layer", self.layer_slices() if slices is None else list(slices))
@@ -130,7 +130,8 @@ class TargetModel(nnx.Module):
             # Under a trace the block is one jitted function called once per layer: JAX traces and lowers
             # it once (same shapes; the layer index is an argument), and XLA inlines the calls. For the
             # demo's 30 layers this cut tracing plus lowering from about 2.1 to 0.8 s and XLA's compile
-            # time from 10-11 to 7.2-7.4 s, with the same tokens and speed (docs/performance.md).
+            # time from 10-11 to 7.2-7.4 s, with the same tokens and, within this machine's noise, the same
+            # speed (docs/performance.md).
             traced = isinstance(x_btd, jax.core.Tracer)
             step = jax.jit(body) if traced else body
             state = (x_btd, carry, feats)
