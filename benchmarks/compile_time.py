@@ -12,8 +12,9 @@ table gives the medians.
     python benchmarks/compile_time.py --layers 4 --quick # a smoke run
 
 XLA options: ``cpu`` are the options ``generate``'s programs compile with on CPU
-(``retrace_jax.compile_cache.cpu_compiler_options()``: XLA's fast-compile preset, and Eigen instead of
-YNNPACK for products of several rows where this XLA takes that option), ``cpu-preset`` the preset alone
+(``retrace_jax.compile_cache.cpu_compiler_options``: XLA's fast-compile preset; for the speculative
+programs also Eigen instead of YNNPACK for products of several rows, where this XLA takes that option),
+``cpu-preset`` the preset alone
 (what they all compiled with until late on 2026-12-01), ``default`` XLA's own.
 Layer loops: ``unrolled`` is what ``generate`` runs on CPU (the per-layer weights that
 ``per_layer_weights`` keeps beside the target are arguments of the program); ``unrolled-sliced`` is the
