@@ -100,7 +100,8 @@ def test_slot_loss_counts_labels_outside_the_vocabulary_as_wrong_without_loss():
     np.testing.assert_allclose(np.asarray(outside.slot_accuracy), [0.0, 1.0, 0.0, 0.0])
 
 
-@pytest.mark.parametrize("method", ["dflash", pytest.param("retrace", marks=pytest.mark.slow)])
+@pytest.mark.slow  # CI time; pytest -m slow runs it
+@pytest.mark.parametrize("method", ["dflash", "retrace"])
 def test_losses_with_the_whole_vocabulary_as_draft_vocabulary_are_unchanged(qwen3, trained_drafter, tmp_path,
                                                                              method):
     drafter, _ = trained_drafter

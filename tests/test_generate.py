@@ -99,7 +99,7 @@ def test_layer_loops_and_attention_paths_give_the_same_tokens():
         rj.generate(target, prompts, 4, attention="flash")
 
 
-@pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
+@pytest.mark.parametrize("layer_loop", ["unrolled", pytest.param("scan", marks=pytest.mark.slow)])
 def test_steppers_commit_what_generate_commits(layer_loop):
     """The step-at-a-time drivers (with the kept per-layer weights when unrolled) give generate's tokens."""
     import jax.numpy as jnp

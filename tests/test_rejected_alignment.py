@@ -21,7 +21,7 @@ def models():
     return target, randomize(drafter, seed=2, scale=0.1)
 
 
-@pytest.mark.parametrize("use_retrace", [True, False])
+@pytest.mark.parametrize("use_retrace", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_stepper_commits_what_generate_commits(models, use_retrace):
     target, drafter = models
     stops = [11, 300]

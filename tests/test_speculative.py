@@ -59,6 +59,7 @@ def test_traces_equal_the_pytorch_reference_loop(qwen3, trained_drafter, hf_mode
         assert (tokens, rounds) == reference_spec_generate(model, ref, prompt, 24)
 
 
+@pytest.mark.slow  # CI time; pytest -m slow runs it
 def test_traces_equal_the_reference_loop_for_a_drafter_reading_the_last_layer(qwen3, trained_drafter,
                                                                               hf_model_dir, tmp_path):
     """The last layer's feature is transformers' hidden_states[L] (after the final norm), as in the

@@ -32,6 +32,7 @@ def test_time_methods_times_prefill_as_the_same_program_stopped_at_its_first_tok
         time_methods(target, ids, 24, methods, repeats=0)
 
 
+@pytest.mark.slow  # CI time; pytest -m slow runs it
 def test_compile_time_benchmark_runs_and_reports_every_program(tmp_path):
     """benchmarks/compile_time.py on a small model: a row per program, layer loop and option set, with
     positive stage times (the numbers of docs/performance.md come from its full-size run)."""

@@ -40,7 +40,7 @@ def test_qwen3_4b_retrace_config_is_the_published_recipe_and_its_step_builds():
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(drafter_state))
 
 
-@pytest.mark.parametrize("objective", ["dflash", "retrace"])
+@pytest.mark.parametrize("objective", ["dflash", pytest.param("retrace", marks=pytest.mark.slow)])
 def test_memory_analysis_accounts_for_the_arguments(objective):
     def sized(batch):
         cfg = from_dict({"drafter": {"num_layers": 1, "block_size": 4},

@@ -301,6 +301,7 @@ def test_training_logs_without_tensorboard(tmp_path, monkeypatch):
         MetricsLog(str(tmp_path / "b"), True)
 
 
+@pytest.mark.slow  # CI time; pytest -m slow runs it
 def test_a_draft_vocabulary_is_chosen_from_the_data_kept_on_resume_and_exported(workspace, dflash_run):
     from retrace_jax.data import SequenceData
     from retrace_jax.draft_vocab import frequent_tokens, token_counts
