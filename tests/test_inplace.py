@@ -2,6 +2,7 @@
 transpose of a cache-sized buffer, and the whole program holds no copy of a whole cache (read from the
 optimised HLO, after XLA's copy insertion)."""
 
+import os
 import re
 
 import numpy as np
@@ -59,6 +60,14 @@ def whole_copies(hlo: str, shape: tuple[int, ...]) -> list[str]:
     return [line.strip() for line in hlo.splitlines() if re.search(rf"= \w+\[{dims}\]\{{[^}}]*\}} copy\(", line)]
 
 
+def users_hlo(lowered) -> str:
+    """The optimised HLO as users' programs compile it: ``tests/conftest.py`` turns XLA's fusion emitters
+    off to compile faster, which changes how XLA fuses, so it is turned back on for this compilation."""
+    if "--xla_cpu_use_fusion_emitters=false" in os.environ.get("XLA_FLAGS", ""):
+        return lowered.compile({"xla_cpu_use_fusion_emitters": True}).as_text()
+    return lowered.compile().as_text()
+
+
 def _inputs():
     target = tiny_target()
     tokens = np.zeros((2, 16), np.int32)
@@ -80,7 +89,7 @@ def _one_layer_of_cache(cfg, batch, slots):
 def test_plain_loop_updates_cache_in_place(layer_loop):
     target, args = _inputs()
     graphdef, state = nnx.split(target)
-    hlo = plain_generate.lower(graphdef, state, *args, capacity=512, layer_loop=layer_loop).compile().as_text()
+    hlo = users_hlo(plain_generate.lower(graphdef, state, *args, capacity=512, layer_loop=layer_loop))
     copies = loop_copies(hlo, _one_layer_of_cache(target.cfg, 2, 16 + 512))
     copies += whole_copies(hlo, _cache_shape(target.cfg, 2, 16 + 512))
     assert not copies, "\n".join(copies)
@@ -91,8 +100,8 @@ def test_speculative_loop_updates_both_caches_in_place(layer_loop):
     target, args = _inputs()
     drafter = rj.init_drafter(target.cfg, mask_token_id=511, num_layers=2, block_size=8)
     (tdef, tstate), (ddef, dstate) = nnx.split(target), nnx.split(drafter)
-    hlo = speculative_generate.lower(tdef, tstate, ddef, dstate, *args, capacity=512, block_size=8,
-                                     layer_loop=layer_loop).compile().as_text()
+    hlo = users_hlo(speculative_generate.lower(tdef, tstate, ddef, dstate, *args, capacity=512, block_size=8,
+                                               layer_loop=layer_loop))
     copies = loop_copies(hlo, _one_layer_of_cache(target.cfg, 2, 16 + 512 + 8))
     copies += whole_copies(hlo, _cache_shape(target.cfg, 2, 16 + 512 + 8))
     copies += whole_copies(hlo, _cache_shape(drafter.cfg, 2, 16 + 512 + 8))
