@@ -3,6 +3,7 @@ and the compiler options of the decode programs."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -29,6 +30,37 @@ def enable_compilation_cache(directory: str | None = None) -> str:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return directory
+
+
+# JAX's own timings of the compile stages (jax.monitoring duration events): tracing and lowering are
+# recorded for top-level programs only (a jitted function called inside a trace adds to its caller's),
+# and the XLA stage covers compiling or loading from the persistent cache.
+COMPILE_STAGE_EVENTS = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+    "/jax/core/compile/backend_compile_duration": "xla",
+}
+
+
+@contextlib.contextmanager
+def compile_seconds():
+    """Yields a dict that receives the seconds JAX spends in each compile stage (``trace``, ``lower``,
+    ``xla``) inside the block, summed over the programs compiled there. Empty when nothing was
+    compiled, or when this JAX records the stages under other event names."""
+    import jax
+
+    seconds: dict[str, float] = {}
+
+    def listener(event, duration, **kwargs):
+        stage = COMPILE_STAGE_EVENTS.get(event)
+        if stage is not None:
+            seconds[stage] = seconds.get(stage, 0.0) + duration
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seconds
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 # XLA's CPU preset that spends less compile time on optimisations. For the demo-shaped decode programs

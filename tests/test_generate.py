@@ -226,3 +226,18 @@ def test_unrolled_layers_trace_one_block_whatever_the_depth(monkeypatch):
         jax.make_jaxpr(lambda tokens, c: target(tokens, c).hidden)(jnp.zeros((1, 2), jnp.int32), cache)
         counts.append(len(traced))
     assert counts == [1, 1]
+
+
+def test_compile_seconds_sees_each_stage_of_a_compilation_once():
+    """decode.py's "compile s": JAX's own timings of tracing, lowering and XLA compiling inside the block,
+    for new programs only (a second call in the same bucket adds nothing)."""
+    from retrace_jax import compile_cache
+    from retrace_jax.tiny import tiny_target
+
+    target = tiny_target()
+    with compile_cache.compile_seconds() as first:
+        rj.generate(target, [[3, 4, 5]], max_new_tokens=5)
+    assert set(first) == {"trace", "lower", "xla"} and all(s > 0 for s in first.values())
+    with compile_cache.compile_seconds() as again:
+        rj.generate(target, [[6, 7]], max_new_tokens=5)
+    assert again == {}
