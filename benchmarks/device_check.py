@@ -35,6 +35,7 @@ from retrace_jax.attention import (  # noqa: E402
     fresh_attention,
     reference_attention,
 )
+from retrace_jax.compile_cache import compile_seconds  # noqa: E402
 from retrace_jax.plain_loop import plain_init, plain_step  # noqa: E402
 from retrace_jax.sampling import SamplingParams  # noqa: E402
 from retrace_jax.speculative_loop import SpeculativeStepper  # noqa: E402
@@ -59,9 +60,10 @@ def block(x):
 
 
 def compile_s(fn) -> float:
-    start = time.perf_counter()
-    block(fn())
-    return time.perf_counter() - start
+    """Seconds JAX spends tracing, lowering and compiling in ``fn()`` (as JAX times those stages)."""
+    with compile_seconds() as stages:
+        block(fn())
+    return sum(stages.values())
 
 
 def bandwidth(device) -> float | None:
@@ -90,10 +92,9 @@ def plain_step_ms(tdef, tstate, batch, context, steps, attention="auto"):
     step = jax.jit(lambda s, consts, c: plain_step(nnx.merge(tdef, s), consts, c), donate_argnums=2)
     c_init = compile_s(lambda: init(tstate, tokens))
     consts, carry = init(tstate, tokens)
-    start = time.perf_counter()
-    ms = median_ms_from(lambda c: step(tstate, consts, c), carry, steps)
-    c_step = time.perf_counter() - start - steps * ms / 1e3  # the first call's compile
-    return ms, c_init + c_step
+    with compile_seconds() as stages:  # the first call compiles the step
+        ms = median_ms_from(lambda c: step(tstate, consts, c), carry, steps)
+    return ms, c_init + sum(stages.values())
 
 
 def decode_rows(name, target, drafter, block_size, batches, context, steps, dtype, gbs):
@@ -130,9 +131,9 @@ def decode_rows(name, target, drafter, block_size, batches, context, steps, dtyp
         stepper.carry = state
         return stepper.step().accepted_b
 
-    start = time.perf_counter()
-    round_ms = median_ms_from(one_round, first, steps)
-    c_round += time.perf_counter() - start - steps * round_ms / 1e3  # the first call's compile
+    with compile_seconds() as stages:  # the first call compiles the round
+        round_ms = median_ms_from(one_round, first, steps)
+    c_round += sum(stages.values())
     rows.append({"model": name, "what": f"verify pass ({block_size} tokens)", "batch": 1, "context": context,
                  "ms": round(verify_ms, 3), "vs_plain_step": round(verify_ms / plain_ms, 2),
                  "compile_s": round(c_verify, 1)})
