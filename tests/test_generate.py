@@ -231,10 +231,12 @@ def test_unrolled_layers_trace_one_block_whatever_the_depth(monkeypatch):
 def test_compile_seconds_sees_each_stage_of_a_compilation_once():
     """decode.py's "compile s": JAX's own timings of tracing, lowering and XLA compiling inside the block,
     for new programs only (a second call in the same bucket adds nothing)."""
-    from retrace_jax import compile_cache
-    from retrace_jax.tiny import tiny_target
+    import dataclasses
 
-    target = tiny_target()
+    from retrace_jax import compile_cache
+    from retrace_jax.tiny import TINY_QWEN3, tiny_target
+
+    target = tiny_target(cfg=dataclasses.replace(TINY_QWEN3, num_layers=1))  # a program no other test compiles
     with compile_cache.compile_seconds() as first:
         rj.generate(target, [[3, 4, 5]], max_new_tokens=5)
     assert set(first) == {"trace", "lower", "xla"} and all(s > 0 for s in first.values())
