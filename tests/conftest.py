@@ -26,8 +26,11 @@ def _xla_accepts(flags: str) -> bool:
     import sys
 
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    probe = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; jnp.zeros(1).block_until_ready()"],
-                           env=env, capture_output=True, timeout=120, check=False)
+    try:
+        probe = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; jnp.zeros(1).block_until_ready()"],
+                               env=env, capture_output=True, timeout=120, check=False)
+    except subprocess.TimeoutExpired:
+        return False
     return probe.returncode == 0
 
 
