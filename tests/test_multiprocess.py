@@ -45,12 +45,12 @@ def _drafter(out):
     return load_file(os.path.join(out, "drafter", "model.safetensors"))
 
 
-def _assert_same_drafter(a, b) -> float:
+def _assert_same_drafter(a, b, atol: float = 1e-6) -> float:
     """Every exported weight equal within float32 reduction-order noise (collectives through gloo sum in
     another order than inside one process); returns the largest difference."""
     assert a.keys() == b.keys()
     for name in a:
-        np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=atol, err_msg=name)
     worst = max(float(np.max(np.abs(a[k].astype(np.float64) - b[k]))) for k in a)
     print(f"largest weight difference: {worst:.2e}")
     return worst
@@ -138,7 +138,12 @@ def test_two_processes_train_retrace_exactly_as_one(workspace):
     mp.run(["train.py", "--config", _config(root, "r2", **kw), "--stage", "train"], 2, 4, str(root), "r2")
     one, two = _losses(str(root / "r1")), _losses(str(root / "r2"))
     np.testing.assert_allclose([two[s] for s in one], [one[s] for s in one], rtol=1e-5)
-    _assert_same_drafter(_drafter(str(root / "r1")), _drafter(str(root / "r2")))
+    # Adam divides each gradient element by its own running scale, so where a gradient is near zero (the
+    # ReTrace correction and gate weights, behind the zero-initialised value projection W_v, in the
+    # first steps) reduction-order noise moves a weight by up to a few 1e-6: 1-2 of the 32,768 elements
+    # of each in three runs, every other weight within 1.2e-7. A missing or wrong collective moves
+    # thousands of them by about the learning rate (3e-3).
+    _assert_same_drafter(_drafter(str(root / "r1")), _drafter(str(root / "r2")), atol=1e-5)
 
 
 @pytest.mark.slow
