@@ -35,11 +35,10 @@ def enable_compilation_cache(directory: str | None = None) -> str:
 # JAX's own timings of the compile stages (jax.monitoring duration events): tracing and lowering are
 # recorded for top-level programs only (a jitted function called inside a trace adds to its caller's),
 # and the XLA stage covers compiling or loading from the persistent cache.
-COMPILE_STAGE_EVENTS = {
-    "/jax/core/compile/jaxpr_trace_duration": "trace",
-    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
-    "/jax/core/compile/backend_compile_duration": "xla",
-}
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+COMPILE_STAGE_EVENTS = {TRACE_EVENT: "trace", LOWER_EVENT: "lower", BACKEND_COMPILE_EVENT: "xla"}
 
 
 @contextlib.contextmanager

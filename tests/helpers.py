@@ -15,6 +15,8 @@ import transformers
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from retrace_jax.compile_cache import BACKEND_COMPILE_EVENT
+
 # ---------------------------------------------------------------------------------- reference models
 
 VOCAB = 128
@@ -144,8 +146,6 @@ def with_random_retrace(drafter, seed=0, scale=0.3):
 
 
 # ---------------------------------------------------------------------------------- compilations
-
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 @contextlib.contextmanager
