@@ -12,7 +12,7 @@ table gives the medians.
     python benchmarks/compile_time.py --layers 4 --quick # a smoke run
 
 XLA options: ``cpu`` are the options ``generate``'s programs compile with on CPU
-(``retrace_jax.compile_cache.cpu_compiler_options``: XLA's fast-compile preset; for the speculative
+(``retrace_jax.decoding.programs.cpu_compiler_options``: XLA's fast-compile preset; for the speculative
 programs also Eigen instead of YNNPACK for products of several rows, where this XLA takes that option),
 ``cpu-preset`` the preset alone (what they all compiled with until late on 2026-12-01), ``default``
 XLA's own.
@@ -41,13 +41,13 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
-from retrace_jax import compile_cache  # noqa: E402
-from retrace_jax.generation import bucket  # noqa: E402
-from retrace_jax.plain_loop import plain_generate  # noqa: E402
-from retrace_jax.sampling import SamplingParams  # noqa: E402
-from retrace_jax.speculative_loop import speculative_generate  # noqa: E402
-from retrace_jax.target import per_layer_weights  # noqa: E402
-from retrace_jax.tiny import TINY_QWEN3, tiny_target  # noqa: E402
+from retrace_jax.decoding import programs  # noqa: E402
+from retrace_jax.decoding.generation import bucket  # noqa: E402
+from retrace_jax.decoding.plain import plain_generate  # noqa: E402
+from retrace_jax.decoding.sampling import SamplingParams  # noqa: E402
+from retrace_jax.decoding.speculative import speculative_generate  # noqa: E402
+from retrace_jax.models.target import per_layer_weights  # noqa: E402
+from retrace_jax.models.tiny import TINY_QWEN3, tiny_target  # noqa: E402
 
 SMOLLM2_135M = dataclasses.replace(
     TINY_QWEN3, model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
@@ -63,7 +63,7 @@ def jit_with(program, option):
         return program.cpu
     if option == "default":
         return program.default
-    return program.with_options(compile_cache.CPU_COMPILER_OPTIONS)
+    return program.with_options(programs.CPU_COMPILER_OPTIONS)
 
 
 def staged(fn, *args, **kwargs):

@@ -35,12 +35,12 @@ from retrace_jax.attention import (  # noqa: E402
     fresh_attention,
     reference_attention,
 )
-from retrace_jax.compile_cache import compile_seconds  # noqa: E402
-from retrace_jax.plain_loop import plain_init, plain_step  # noqa: E402
-from retrace_jax.sampling import SamplingParams  # noqa: E402
-from retrace_jax.speculative_loop import SpeculativeStepper  # noqa: E402
-from retrace_jax.target import prefill  # noqa: E402
-from retrace_jax.tiny import TINY_QWEN3, tiny_target  # noqa: E402
+from retrace_jax.decoding.plain import plain_init, plain_step  # noqa: E402
+from retrace_jax.decoding.programs import compile_seconds  # noqa: E402
+from retrace_jax.decoding.sampling import SamplingParams  # noqa: E402
+from retrace_jax.decoding.speculative import SpeculativeStepper  # noqa: E402
+from retrace_jax.models.target import prefill  # noqa: E402
+from retrace_jax.models.tiny import TINY_QWEN3, tiny_target  # noqa: E402
 
 QWEN3_COMMON = dict(num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, vocab_size=151936,
                     rope_theta=1000000.0, max_position_embeddings=40960)

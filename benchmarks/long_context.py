@@ -18,7 +18,7 @@
 Times are medians of ``--repeats`` runs after compiling (in the buffer section, every configuration is
 compiled first and the runs then go round-robin). ``first_call_s`` is the first call (compiling plus
 one run); ``compile_s`` is the part of it that JAX spent tracing, lowering and compiling with XLA, as
-JAX times those stages (``retrace_jax.compile_cache.compile_seconds``).
+JAX times those stages (``retrace_jax.decoding.programs.compile_seconds``).
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
 from benchmarks.report import median_ms_from  # noqa: E402
-from retrace_jax.compile_cache import compile_seconds  # noqa: E402
-from retrace_jax.plain_loop import PlainStepper  # noqa: E402
-from retrace_jax.sampling import SamplingParams  # noqa: E402
-from retrace_jax.speculative_loop import SpeculativeStepper  # noqa: E402
-from retrace_jax.tiny import TINY_QWEN3, tiny_target  # noqa: E402
+from retrace_jax.decoding.plain import PlainStepper  # noqa: E402
+from retrace_jax.decoding.programs import compile_seconds  # noqa: E402
+from retrace_jax.decoding.sampling import SamplingParams  # noqa: E402
+from retrace_jax.decoding.speculative import SpeculativeStepper  # noqa: E402
+from retrace_jax.models.tiny import TINY_QWEN3, tiny_target  # noqa: E402
 
 
 def model(width: int, layers: int, vocab: int):

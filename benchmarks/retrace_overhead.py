@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
 from benchmarks.report import report  # noqa: E402
-from retrace_jax.tiny import TINY_QWEN3, tiny_target  # noqa: E402
+from retrace_jax.models.tiny import TINY_QWEN3, tiny_target  # noqa: E402
 
 
 def main():

@@ -32,12 +32,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import retrace_jax as rj  # noqa: E402
 from benchmarks.device_check import PRESETS  # noqa: E402  (Qwen3-4B/8B shapes, published drafter)
 from benchmarks.report import median_ms_from, report  # noqa: E402
-from retrace_jax.draft_vocab import draft_head, head_logits  # noqa: E402
-from retrace_jax.drafter import with_draft_vocab  # noqa: E402
-from retrace_jax.plain_loop import PlainStepper  # noqa: E402
-from retrace_jax.sampling import SamplingParams  # noqa: E402
-from retrace_jax.speculative_loop import SpeculativeStepper, draft_block  # noqa: E402
-from retrace_jax.tiny import TINY_QWEN3, tiny_target  # noqa: E402
+from retrace_jax.decoding.plain import PlainStepper  # noqa: E402
+from retrace_jax.decoding.sampling import SamplingParams  # noqa: E402
+from retrace_jax.decoding.speculative import SpeculativeStepper, draft_block  # noqa: E402
+from retrace_jax.models.draft_vocab import draft_head, head_logits  # noqa: E402
+from retrace_jax.models.drafter import with_draft_vocab  # noqa: E402
+from retrace_jax.models.tiny import TINY_QWEN3, tiny_target  # noqa: E402
 
 
 def timed(fn, n):

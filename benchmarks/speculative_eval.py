@@ -50,12 +50,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
 from benchmarks.speed import rates, time_methods  # noqa: E402
-from retrace_jax.data import chat_encoder, load_tokenizer  # noqa: E402
-from retrace_jax.generation import DRAFT_RULES  # noqa: E402
+from retrace_jax.decoding.generation import DRAFT_RULES  # noqa: E402
+from retrace_jax.training.data import chat_encoder, load_tokenizer  # noqa: E402
 
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 # the Spec-Bench questions, vendored (benchmarks/data/SOURCES.md)
-DEFAULT_SPEC_BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "spec_bench_questions.jsonl.gz")
+DEFAULT_SPEC_BENCH = rj.assets.SPEC_BENCH
 DEFAULT_HUMANEVAL = os.path.join(os.path.expanduser("~"), ".cache", "retrace_jax", "data", "humaneval.jsonl")
 
 

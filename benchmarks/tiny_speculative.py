@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import retrace_jax as rj  # noqa: E402
 from benchmarks.report import report  # noqa: E402
 from benchmarks.speed import rates, time_methods  # noqa: E402
-from retrace_jax.self_distill import regenerate, train_dflash  # noqa: E402
-from retrace_jax.tiny import tiny_target  # noqa: E402
+from retrace_jax.models.tiny import tiny_target  # noqa: E402
+from retrace_jax.training.self_distill import regenerate, train_dflash  # noqa: E402
 
 
 def main():

@@ -5,7 +5,7 @@
         --set train.mesh=fsdp=8
 
 The step of the configuration is built on abstract arrays for a target of the given shapes
-(retrace_jax.train_memory), placed on a mesh of ``--devices`` CPU devices, compiled, and XLA's
+(retrace_jax.training.memory), placed on a mesh of ``--devices`` CPU devices, compiled, and XLA's
 ``memory_analysis()`` is printed per device: arguments (target and drafter weights, optimizer state,
 batch), outputs, temporaries, aliased (donated) buffers and the peak they add up to, and XLA's count of
 floating-point operations per device per step (it counts a loop body once: layers run under ``lax.scan``
@@ -33,10 +33,17 @@ def main(argv=None):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-    from retrace_jax.sharding import make_mesh
-    from retrace_jax.tiny import TINY_QWEN3
-    from retrace_jax.train_config import load_config
-    from retrace_jax.train_memory import QWEN3_4B, QWEN3_8B, abstract_step, memory_report, per_device_bytes, step_flops
+    from retrace_jax.models.tiny import TINY_QWEN3
+    from retrace_jax.parallel.sharding import make_mesh
+    from retrace_jax.training.config import load_config
+    from retrace_jax.training.memory import (
+        QWEN3_4B,
+        QWEN3_8B,
+        abstract_step,
+        memory_report,
+        per_device_bytes,
+        step_flops,
+    )
 
     cfg = load_config(args.config, args.set)
     target_cfg = {"qwen3-4b": QWEN3_4B, "qwen3-8b": QWEN3_8B, "tiny": TINY_QWEN3}[args.target]

@@ -25,9 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
 from benchmarks.report import report  # noqa: E402
-from retrace_jax.drafter import with_draft_vocab  # noqa: E402
-from retrace_jax.tiny import tiny_target  # noqa: E402
-from retrace_jax.train_step import StepOptions, adamw, init_opt_state, make_train_step  # noqa: E402
+from retrace_jax.models.drafter import with_draft_vocab  # noqa: E402
+from retrace_jax.models.tiny import tiny_target  # noqa: E402
+from retrace_jax.training.step import StepOptions, adamw, init_opt_state, make_train_step  # noqa: E402
 
 
 def main(argv=None):

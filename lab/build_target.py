@@ -244,7 +244,7 @@ def stage_tokenizer(cfg: BuildConfig, log) -> None:
 # ----------------------------------------------------------------------------------------------- model
 
 def model_config(cfg: BuildConfig):
-    from retrace_jax.config import ModelConfig
+    from retrace_jax.models.config import ModelConfig
 
     return ModelConfig(model_type="qwen3", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
                        intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
@@ -257,7 +257,7 @@ def init_model(cfg: BuildConfig):
     import jax.numpy as jnp
     from flax import nnx
 
-    from retrace_jax.target import TargetModel
+    from retrace_jax.models.target import TargetModel
 
     return TargetModel(model_config(cfg), dtype=jnp.float32, rngs=nnx.Rngs(cfg.seed))
 
@@ -283,7 +283,7 @@ def compiled(graphdef, lr: float, steps: int, warmup_frac: float, weight_decay: 
     import optax
     from flax import nnx
 
-    from retrace_jax.train_step import adamw
+    from retrace_jax.training.step import adamw
 
     optimizer = adamw(lr, steps, warmup_frac, weight_decay, clip)
 
@@ -343,7 +343,7 @@ def stage_train(cfg: BuildConfig, log) -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
-    from retrace_jax.checkpointing import Checkpoints, settings_differences
+    from retrace_jax.training.checkpoints import Checkpoints, settings_differences
 
     train = np.load(os.path.join(cfg.data_dir, "train_tokens.npy"))
     heldout = np.load(os.path.join(cfg.data_dir, "heldout_tokens.npy"))
@@ -417,7 +417,7 @@ def restore_model(cfg: BuildConfig, step: int | None = None):
     """The target at checkpoint ``step`` (default: the last) in float32, and that step."""
     from flax import nnx
 
-    from retrace_jax.checkpointing import Checkpoints
+    from retrace_jax.training.checkpoints import Checkpoints
 
     ckpts = Checkpoints(os.path.join(cfg.train_dir, "checkpoints"), keep=cfg.keep_checkpoints)
     try:
@@ -438,7 +438,7 @@ def stage_export(cfg: BuildConfig, log, allow_partial: bool = False) -> None:
     from flax import nnx
     from transformers import AutoTokenizer
 
-    from retrace_jax.hf_io import load_target, save_target
+    from retrace_jax.io.checkpoints import load_target, save_target
 
     model, step, meta = restore_model(cfg)
     if step < cfg.steps and not allow_partial:
@@ -471,7 +471,7 @@ def stage_export(cfg: BuildConfig, log, allow_partial: bool = False) -> None:
 # ------------------------------------------------------------------------------------------------ main
 
 def build(cfg: BuildConfig, stages=STAGES, log=None, allow_partial: bool = False) -> None:
-    from retrace_jax.train_eval import MetricsLog
+    from retrace_jax.training.evaluate import MetricsLog
 
     os.makedirs(cfg.work, exist_ok=True)
     metrics = MetricsLog(cfg.work, tensorboard=False) if log is None else None

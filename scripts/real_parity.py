@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
-from retrace_jax.data import chat_encoder, load_tokenizer  # noqa: E402
 from retrace_jax.assets import DEFAULT_CACHE, MODELS, fetch  # noqa: E402
+from retrace_jax.training.data import chat_encoder, load_tokenizer  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "Write a Python function that reverses a string.",
            "Explain photosynthesis in two sentences.", "List three prime numbers greater than 100."]

@@ -44,6 +44,7 @@ if os.environ.get("RETRACE_JAX_TEST_OPTIMIZE", "") in ("", "0"):
 
 from tests.helpers import FAMILIES, built_once, make_hf_model, save_hf_model
 
+
 @pytest.fixture(scope="session", params=sorted(FAMILIES))
 def family(request):
     return request.param
@@ -75,7 +76,7 @@ def trained_drafter(hf_model_dir, tmp_path_factory):
     import numpy as np
 
     import retrace_jax as rj
-    from retrace_jax.self_distill import regenerate, train_dflash
+    from retrace_jax.training.self_distill import regenerate, train_dflash
 
     _, directory = hf_model_dir("qwen3")
     target = rj.load_target(directory)

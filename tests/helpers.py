@@ -15,7 +15,7 @@ import transformers
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from retrace_jax.compile_cache import BACKEND_COMPILE_EVENT
+from retrace_jax.decoding.programs import BACKEND_COMPILE_EVENT
 
 # ---------------------------------------------------------------------------------- reference models
 

@@ -6,7 +6,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from retrace_jax.distributed import initialize  # noqa: E402
+from retrace_jax.parallel.distributed import initialize  # noqa: E402
 
 initialize("auto")
 

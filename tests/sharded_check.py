@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
-from retrace_jax.sharding import CACHE_AXES, named_sharding  # noqa: E402
+from retrace_jax.parallel.sharding import CACHE_AXES, named_sharding  # noqa: E402
 from tests.helpers import make_hf_model, randomize, save_hf_model  # noqa: E402
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3], [40, 41, 42, 43]]

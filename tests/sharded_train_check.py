@@ -15,9 +15,9 @@ from flax import nnx  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
-from retrace_jax.hf_io import model_specs  # noqa: E402
-from retrace_jax.sharding import batch_sharding, named_sharding  # noqa: E402
-from retrace_jax.train_step import StepOptions, adamw, init_opt_state, make_train_step  # noqa: E402
+from retrace_jax.io.weights import model_specs  # noqa: E402
+from retrace_jax.parallel.sharding import batch_sharding, named_sharding  # noqa: E402
+from retrace_jax.training.step import StepOptions, adamw, init_opt_state, make_train_step  # noqa: E402
 from tests.helpers import make_hf_model, randomize, save_hf_model  # noqa: E402
 
 

@@ -8,10 +8,12 @@ import os
 import pytest
 from safetensors import safe_open
 
-from retrace_jax import assets
-from retrace_jax.config import ModelConfig
-from retrace_jax.drafter import DrafterConfig
-from retrace_jax.hf_io import check_drafter_matches, read_draft_vocab
+from retrace_jax.assets import prompts, shipped
+
+# config.json of SmolLM2-135M-Instruct as retrace_jax.assets writes it
+from retrace_jax.io.checkpoints import read_draft_vocab
+from retrace_jax.models.config import ModelConfig
+from retrace_jax.models.drafter import DrafterConfig, check_drafter_matches
 
 # config.json of SmolLM2-135M-Instruct as retrace_jax.assets writes it
 SMOLLM2 = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
@@ -29,11 +31,11 @@ def test_sharegpt_array_cut_short_yields_whole_records(tmp_path):
     cut = text[: text.index('"Second"') + 4]  # the last record is incomplete
     src = tmp_path / "sharegpt.json"
     src.write_text(cut)
-    assert [r["id"] for r in assets.sharegpt_records(str(src))] == ["a", "b", "c"]
+    assert [r["id"] for r in prompts.sharegpt_records(str(src))] == ["a", "b", "c"]
     src.write_text(text)
-    assert [r["id"] for r in assets.sharegpt_records(str(src))] == ["a", "b", "c", "d"]
+    assert [r["id"] for r in prompts.sharegpt_records(str(src))] == ["a", "b", "c", "d"]
     out = tmp_path / "sharegpt.jsonl"
-    assert assets.write_sharegpt(str(src), str(out)) == 2
+    assert prompts.write_sharegpt(str(src), str(out)) == 2
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert lines[0] == {"id": "a", "messages": [{"role": "user", "content": "Hi there"}]}
     assert lines[1]["id"] == "d"
@@ -44,7 +46,7 @@ def test_humaneval_prompts(tmp_path):
     with gzip.open(src, "wt") as f:
         f.write(json.dumps({"task_id": "HumanEval/0", "prompt": "def f(x):\n    \"\"\"Doc.\"\"\"\n"}) + "\n")
     out = tmp_path / "humaneval.jsonl"
-    assert assets.write_humaneval(str(src), str(out)) == 1
+    assert prompts.write_humaneval(str(src), str(out)) == 1
     record = json.loads(out.read_text())
     assert record["task_id"] == "HumanEval/0" and record["prompt"].endswith("```python\ndef f(x):\n    \"\"\"Doc.\"\"\"\n```")
 
@@ -53,9 +55,9 @@ def test_humaneval_prompts(tmp_path):
 def test_shipped_drafters_match_smollm2(variant):
     """The demo's default (DFlash, two layers, a draft vocabulary beside the official layout) and the
     earlier ReTrace drafter both fit SmolLM2-135M-Instruct and stay small."""
-    path = assets.shipped_drafter("smollm2-135m-instruct", variant)
+    path = shipped.shipped_drafter("smollm2-135m-instruct", variant)
     if variant == "default":
-        assert path == assets.shipped_drafter("smollm2-135m-instruct")
+        assert path == shipped.shipped_drafter("smollm2-135m-instruct")
     with open(os.path.join(path, "config.json")) as f:
         cfg = DrafterConfig.from_hf(json.load(f))
     check_drafter_matches(cfg, ModelConfig.from_hf(SMOLLM2))

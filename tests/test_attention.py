@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from retrace_jax.attention import cache_slots, cached_attention, reference_attention
-from retrace_jax.kv_cache import KVCache, write_rows
+from retrace_jax.models.kv_cache import KVCache, write_rows
 
 
 def _random_cache(rng, layers, batch, slots, kv_heads, head_dim, dtype):
@@ -107,9 +107,9 @@ def test_cudnn_prefill_path_gives_the_same_tokens(monkeypatch):
     through the chunked walk; with the kernel swapped for the XLA implementation (no GPU here) the
     tokens equal the chunked path's, plain and speculative."""
     import retrace_jax as rj
-    import retrace_jax.target as target_module
+    import retrace_jax.models.target as target_module
     from retrace_jax.attention import fresh_attention
-    from retrace_jax.tiny import tiny_target
+    from retrace_jax.models.tiny import tiny_target
 
     calls = []
 

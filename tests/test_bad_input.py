@@ -12,9 +12,11 @@ from safetensors.numpy import load_file, save_file
 
 import decode
 import retrace_jax as rj
-from retrace_jax import assets, hf_io
+from retrace_jax.assets import models, prompts, shipped
+from retrace_jax.cli import assets as cli_assets
 from retrace_jax.cli import run_main
-from retrace_jax.data import DataError, read_prompts
+from retrace_jax.io import checkpoints
+from retrace_jax.training.data import DataError, read_prompts
 from tests.helpers import copy_model_dir, edit_config, edit_tensors
 
 # ------------------------------------------------------------------------------------ loading checkpoints
@@ -127,7 +129,7 @@ def test_save_drafter_failure_leaves_the_old_checkpoint(target, tmp_path, monkey
     def fail(*args, **kwargs):
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(hf_io, "save_file", fail)  # after config.json is written, before the weights
+    monkeypatch.setattr(checkpoints, "save_file", fail)  # after config.json is written, before the weights
     with pytest.raises(OSError, match="simulated"):
         rj.save_drafter(_drafter(target, seed=1, retrace=rj.ReTraceConfig()), path)
     assert {f: open(os.path.join(path, f), "rb").read() for f in os.listdir(path)} == before
@@ -242,10 +244,10 @@ def test_messages_after_the_first_user_turn_are_not_checked(tmp_path):
 # ------------------------------------------------------------------------------------ assets, command lines
 
 @pytest.mark.parametrize("call, pattern", [
-    (lambda: assets.fetch("gpt-5"), r"unknown model 'gpt-5'; available: smollm2-135m-instruct"),
-    (lambda: assets.fetch_dataset("mmlu"), r"unknown dataset 'mmlu'; available: sharegpt, humaneval"),
-    (lambda: assets.shipped_drafter("qwen2.5-coder-0.5b-instruct"), r"no drafter shipped for"),
-    (lambda: assets.shipped_drafter("smollm2-135m-instruct", "eagle"), r"no 'eagle' drafter shipped for "
+    (lambda: models.fetch("gpt-5"), r"unknown model 'gpt-5'; available: smollm2-135m-instruct"),
+    (lambda: prompts.fetch_dataset("mmlu"), r"unknown dataset 'mmlu'; available: sharegpt, humaneval"),
+    (lambda: shipped.shipped_drafter("qwen2.5-coder-0.5b-instruct"), r"no drafter shipped for"),
+    (lambda: shipped.shipped_drafter("smollm2-135m-instruct", "eagle"), r"no 'eagle' drafter shipped for "
                                                                         r"'smollm2-135m-instruct'; there are: default"),
 ])
 def test_assets_raise_value_error_not_system_exit(call, pattern):
@@ -257,15 +259,17 @@ def test_fetch_assets_prints_one_line(monkeypatch, capsys):
     def fail(name, cache):
         raise ValueError(f"[{name}] sha256 mismatch: got 0, expected 1")
 
-    monkeypatch.setattr(assets, "fetch", fail)
+    monkeypatch.setattr(cli_assets, "fetch", fail)
     with pytest.raises(SystemExit) as exit_info:
-        run_main(assets.main, ["smollm2-135m-instruct"])
+        run_main(cli_assets.main, ["smollm2-135m-instruct"])
     assert exit_info.value.code == 1
     assert capsys.readouterr().err == "error: [smollm2-135m-instruct] sha256 mismatch: got 0, expected 1\n"
 
 
 @pytest.mark.parametrize("argv, pattern", [
-    (["--target", "/nonexistent/model"], "error: model directory not found: /nonexistent/model"),
+    (["--target", "/nonexistent/model"], "error: target directory not found: /nonexistent/model"),
+    (["--target", "tiny", "--drafter", "/nonexistent/d"], "error: drafter directory not found: /nonexistent/d"),
+    (["--target", "tiny", "--max-new-tokens", "-3"], "error: --max-new-tokens must be at least 1, got -3"),
     (["--drafter", "somewhere"], "error: --drafter needs --target (the model it was trained for)"),
     (["--target", "tiny", "--runs", "0"], "error: --runs must be at least 1, got 0"),
     (["--target", "tiny", "--mesh", "model=2"], "error: unknown mesh axis 'model'"),

@@ -5,6 +5,7 @@ import os
 import shutil
 
 import pytest
+
 import decode
 import retrace_jax as rj
 import train
@@ -34,11 +35,17 @@ def test_train_then_decode_tiny(tmp_path, capsys):
     assert len(table) == 2 and all(line.endswith("yes") for line in table)
 
 
-def test_train_config_errors(tmp_path):
-    with pytest.raises(SystemExit, match="unknown config key 'train.stpes'"):
-        train.main(["--config", CONFIG, "--set", "train.stpes=3"])
-    with pytest.raises(SystemExit, match="not found"):
-        train.main(["--config", str(tmp_path / "none.yaml")])
+@pytest.mark.parametrize("argv, message", [
+    (["--set", "train.stpes=3"], "error: unknown config key 'train.stpes'"),
+    (["--config", "NONE"], "error: config file not found: "),
+])
+def test_train_config_errors_are_one_line(argv, message, tmp_path, capsys):
+    argv = [str(tmp_path / "none.yaml") if a == "NONE" else a for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        train.main(argv if "--config" in argv else ["--config", CONFIG, *argv])
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1 and "Traceback" not in err
 
 
 def test_decode_with_hf_directories(hf_model_dir, trained_drafter, tmp_path, capsys):

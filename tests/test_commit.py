@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retrace_jax.commit import OutputBuffer, commit
+from retrace_jax.decoding.commit import OutputBuffer, commit
 
 K, CAP, VOCAB = 5, 12, 6
 

@@ -1,4 +1,4 @@
-"""The draft vocabulary (retrace_jax/draft_vocab.py): choosing it, drafting and training with it,
+"""The draft vocabulary (retrace_jax/models/draft_vocab.py): choosing it, drafting and training with it,
 lossless output, and its file beside the official checkpoint layout."""
 
 import json
@@ -11,13 +11,13 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import retrace_jax as rj
-from retrace_jax.dflash_loss import dflash_loss, sample_anchors, slot_loss
-from retrace_jax.draft_vocab import coverage, frequent_tokens, token_counts
-from retrace_jax.drafter import with_draft_vocab
-from retrace_jax.generation import _pad_stops
-from retrace_jax.retrace_loss import retrace_loss
-from retrace_jax.sampling import SamplingParams
-from retrace_jax.speculative_loop import SpeculativeStepper
+from retrace_jax.decoding.generation import _pad_stops
+from retrace_jax.decoding.sampling import SamplingParams
+from retrace_jax.decoding.speculative import SpeculativeStepper
+from retrace_jax.models.draft_vocab import coverage, frequent_tokens, token_counts
+from retrace_jax.models.drafter import with_draft_vocab
+from retrace_jax.training.dflash_loss import dflash_loss, sample_anchors, slot_loss
+from retrace_jax.training.retrace_loss import retrace_loss
 from tests.helpers import with_random_retrace
 
 

@@ -44,7 +44,7 @@ def test_saved_drafter_loads_in_reference_pytorch_model(drafter, tmp_path):
 
 
 def test_a_draft_vocabulary_leaves_the_official_layout_loadable(drafter, tmp_path):
-    from retrace_jax.drafter import with_draft_vocab
+    from retrace_jax.models.drafter import with_draft_vocab
 
     rj.save_drafter(with_draft_vocab(drafter, [1, 5, 9, 127]), str(tmp_path))
     ref, info = RefDFlashDraftModel.from_pretrained(str(tmp_path), output_loading_info=True)
@@ -52,7 +52,7 @@ def test_a_draft_vocabulary_leaves_the_official_layout_loadable(drafter, tmp_pat
 
 
 def test_layers_start_from_target_layers(target, drafter):
-    from retrace_jax.drafter import init_layers_from_target
+    from retrace_jax.models.drafter import init_layers_from_target
 
     copied = init_layers_from_target(drafter, target, [1, 0])
     slices = target.layer_slices()
@@ -160,8 +160,8 @@ def test_repeated_target_layer_ids_are_kept_with_a_warning(tmp_path):
     at creation and at loading; distinct ids give no warning."""
     import warnings
 
-    from retrace_jax.drafter import default_target_layer_ids
-    from retrace_jax.tiny import tiny_target
+    from retrace_jax.models.drafter import default_target_layer_ids
+    from retrace_jax.models.tiny import tiny_target
 
     target = tiny_target()
     assert target.cfg.num_layers == 4

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from retrace_jax.feature_store import FeatureStore, store_key
+from retrace_jax.training.feature_store import FeatureStore, store_key
 
 LENGTHS = [5, 9, 3, 12, 7]  # sequence 3 is longer than seq_len 10 and is cut
 SEQ = [np.arange(100 * i, 100 * i + n, dtype=np.int32) for i, n in enumerate(LENGTHS)]

@@ -82,7 +82,7 @@ def test_layer_loops_and_attention_paths_give_the_same_tokens():
     """Scanned or unrolled layers, chunked or dense attention: the same greedy tokens. A bfloat16 cache
     of a float32 model runs (its rounding may change tokens, so only the lengths are checked)."""
     import retrace_jax as rj
-    from retrace_jax.tiny import tiny_target
+    from retrace_jax.models.tiny import tiny_target
 
     target = tiny_target()
     drafter = rj.init_drafter(target.cfg, mask_token_id=511, num_layers=1, block_size=4)
@@ -105,10 +105,10 @@ def test_steppers_commit_what_generate_commits(layer_loop):
     import jax.numpy as jnp
     import numpy as np
 
-    from retrace_jax.plain_loop import PlainStepper
-    from retrace_jax.sampling import SamplingParams
-    from retrace_jax.speculative_loop import SpeculativeStepper
-    from retrace_jax.tiny import tiny_target
+    from retrace_jax.decoding.plain import PlainStepper
+    from retrace_jax.decoding.sampling import SamplingParams
+    from retrace_jax.decoding.speculative import SpeculativeStepper
+    from retrace_jax.models.tiny import tiny_target
 
     target = tiny_target()
     drafter = rj.init_drafter(target.cfg, mask_token_id=511, num_layers=1, block_size=4)
@@ -137,8 +137,8 @@ def test_unrolled_programs_keep_per_layer_weights_that_follow_the_target():
 
     import numpy as np
 
-    from retrace_jax.target import per_layer_weights
-    from retrace_jax.tiny import tiny_target
+    from retrace_jax.models.target import per_layer_weights
+    from retrace_jax.models.tiny import tiny_target
 
     target = tiny_target()
     first = per_layer_weights(target, "unrolled")
@@ -173,26 +173,26 @@ def test_decode_programs_compile_with_the_cpu_options_on_cpu(monkeypatch):
     import jax
     import pytest
 
-    from retrace_jax import compile_cache
-    from retrace_jax.plain_loop import plain_generate
-    from retrace_jax.speculative_loop import speculative_generate
+    from retrace_jax.decoding import programs
+    from retrace_jax.decoding.plain import plain_generate
+    from retrace_jax.decoding.speculative import speculative_generate
 
     if jax.default_backend() != "cpu":
         pytest.skip("the CPU compiler options apply on the CPU backend only")
     for program in (plain_generate, speculative_generate):
-        assert isinstance(program, compile_cache.DecodeProgram)
+        assert isinstance(program, programs.DecodeProgram)
     assert plain_generate.cpu_extra_options is None
-    assert speculative_generate.cpu_extra_options == compile_cache.SEVERAL_ROW_CPU_OPTIONS
-    assert compile_cache.cpu_compiler_options(compile_cache.SEVERAL_ROW_CPU_OPTIONS) == {
-        **compile_cache.CPU_COMPILER_OPTIONS, **compile_cache.SEVERAL_ROW_CPU_OPTIONS}  # jax 0.10 takes them
-    good = compile_cache.DecodeProgram(lambda x: x * 2.0 + 1.0)
+    assert speculative_generate.cpu_extra_options == programs.SEVERAL_ROW_CPU_OPTIONS
+    assert programs.cpu_compiler_options(programs.SEVERAL_ROW_CPU_OPTIONS) == {
+        **programs.CPU_COMPILER_OPTIONS, **programs.SEVERAL_ROW_CPU_OPTIONS}  # jax 0.10 takes them
+    good = programs.DecodeProgram(lambda x: x * 2.0 + 1.0)
     assert float(good(3.0)) == float(good.default(3.0)) == 7.0
     unknown = {"xla_cpu_no_such_option_in_any_xla": "1"}
-    assert compile_cache.cpu_compiler_options(unknown) == compile_cache.CPU_COMPILER_OPTIONS
-    tolerant = compile_cache.DecodeProgram(lambda x: x * 2.0 + 1.0, cpu_extra_options=unknown)
+    assert programs.cpu_compiler_options(unknown) == programs.CPU_COMPILER_OPTIONS
+    tolerant = programs.DecodeProgram(lambda x: x * 2.0 + 1.0, cpu_extra_options=unknown)
     assert float(tolerant(3.0)) == 7.0
-    monkeypatch.setattr(compile_cache, "CPU_COMPILER_OPTIONS", {"xla_cpu_opt_preset": "NO_SUCH_PRESET"})
-    bad = compile_cache.DecodeProgram(lambda x: x * 2.0 + 1.0)
+    monkeypatch.setattr(programs, "CPU_COMPILER_OPTIONS", {"xla_cpu_opt_preset": "NO_SUCH_PRESET"})
+    bad = programs.DecodeProgram(lambda x: x * 2.0 + 1.0)
     assert float(bad.default(3.0)) == 7.0
     with pytest.raises(Exception, match="xla_cpu_opt_preset"):
         bad(3.0)
@@ -207,8 +207,8 @@ def test_unrolled_layers_trace_one_block_whatever_the_depth(monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    from retrace_jax import layers
-    from retrace_jax.tiny import TINY_QWEN3, tiny_target
+    from retrace_jax.models import layers
+    from retrace_jax.models.tiny import TINY_QWEN3, tiny_target
 
     traced = []
     call = layers.DecoderBlock.__call__
@@ -233,13 +233,13 @@ def test_compile_seconds_sees_each_stage_of_a_compilation_once():
     for new programs only (a second call in the same bucket adds nothing)."""
     import dataclasses
 
-    from retrace_jax import compile_cache
-    from retrace_jax.tiny import TINY_QWEN3, tiny_target
+    from retrace_jax.decoding import programs
+    from retrace_jax.models.tiny import TINY_QWEN3, tiny_target
 
     target = tiny_target(cfg=dataclasses.replace(TINY_QWEN3, num_layers=1))  # a program no other test compiles
-    with compile_cache.compile_seconds() as first:
+    with programs.compile_seconds() as first:
         rj.generate(target, [[3, 4, 5]], max_new_tokens=5)
     assert set(first) == {"trace", "lower", "xla"} and all(s > 0 for s in first.values())
-    with compile_cache.compile_seconds() as again:
+    with programs.compile_seconds() as again:
         rj.generate(target, [[6, 7]], max_new_tokens=5)
     assert again == {}

@@ -101,7 +101,7 @@ def test_model_config_to_hf_round_trips(family):
 def test_model_config_to_hf_refuses_what_the_family_cannot_express():
     import dataclasses
 
-    from retrace_jax.tiny import TINY_QWEN3
+    from retrace_jax.models.tiny import TINY_QWEN3
 
     with pytest.raises(rj.ConfigError, match="qk_norm"):
         dataclasses.replace(TINY_QWEN3, model_type="llama").to_hf()

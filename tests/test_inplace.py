@@ -10,10 +10,10 @@ import pytest
 from flax import nnx
 
 import retrace_jax as rj
-from retrace_jax.plain_loop import plain_generate
-from retrace_jax.sampling import SamplingParams
-from retrace_jax.speculative_loop import speculative_generate
-from retrace_jax.tiny import tiny_target
+from retrace_jax.decoding.plain import plain_generate
+from retrace_jax.decoding.sampling import SamplingParams
+from retrace_jax.decoding.speculative import speculative_generate
+from retrace_jax.models.tiny import tiny_target
 
 
 def _computations(hlo: str) -> dict[str, list[str]]:

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from safetensors.numpy import load_file
 
-from retrace_jax.data import PrepareSettings, prepare_shards
+from retrace_jax.training.data import PrepareSettings, prepare_shards
 from tests import multiprocess as mp
 
 CONFIG = {

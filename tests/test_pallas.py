@@ -106,7 +106,7 @@ def test_generate_through_pallas_kernels_gives_the_same_tokens(monkeypatch, impl
     plain and speculative (a block-16 drafter: verify and draft calls of 16 queries), and the kernel is
     part of the programs."""
     import retrace_jax as rj
-    from retrace_jax.tiny import tiny_target
+    from retrace_jax.models.tiny import tiny_target
 
     target = tiny_target()
     drafter = rj.init_drafter(target.cfg, mask_token_id=511, num_layers=1, block_size=16)

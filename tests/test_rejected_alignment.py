@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 import retrace_jax as rj
-from retrace_jax.tiny import tiny_target
 from benchmarks.rejected_alignment import Tally, measure, merge, stepped_generate
-from retrace_jax.retrace import ReTraceConfig
+from retrace_jax.models.retrace import ReTraceConfig
+from retrace_jax.models.tiny import tiny_target
 from tests.helpers import randomize
 
 PROMPTS = [[5, 17, 99, 3, 42], [7, 7, 8, 300, 12, 1, 9, 77, 401, 6, 2], [250]]

@@ -11,10 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import retrace_jax as rj
-from retrace_jax.retrace import Memory, ReTraceFusion, shift_memory
+from retrace_jax.models.retrace import Memory, ReTraceFusion, shift_memory
 from tests.dflash_reference import RefDFlashDraftModel
 from tests.helpers import with_random_retrace
-
 
 BLOCK_SIZES = (2, 3, 4, 7, 8, 16)  # each compiles shift_memory once; a and s are values
 jit_shift_memory = jax.jit(shift_memory)

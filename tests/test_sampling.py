@@ -11,8 +11,8 @@ from scipy import stats
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import retrace_jax as rj
-from retrace_jax.drafter import with_draft_vocab
-from retrace_jax.sampling import SamplingMode, filtered_logprobs
+from retrace_jax.decoding.sampling import SamplingMode, filtered_logprobs
+from retrace_jax.models.drafter import with_draft_vocab
 from tests.helpers import make_hf_model, randomize, save_hf_model
 
 VOCAB = 6

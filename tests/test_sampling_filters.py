@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from retrace_jax import sampling
-from retrace_jax.sampling import SamplingMode, filtered_logprobs
+from retrace_jax.decoding import sampling
+from retrace_jax.decoding.sampling import SamplingMode, filtered_logprobs
 
 
 def sorted_reference(x, top_k, top_p):

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import retrace_jax as rj
-from retrace_jax.sharding import partition_spec
+from retrace_jax.parallel.sharding import partition_spec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 import retrace_jax as rj
-import retrace_jax.generation as generation
-from tests.helpers import count_compiles, hf_greedy, randomize
+import retrace_jax.decoding.generation as generation
 from tests.dflash_reference import RefDFlashDraftModel, reference_spec_generate
+from tests.helpers import count_compiles, hf_greedy, randomize
 from tests.test_generate import PROMPTS
 
 

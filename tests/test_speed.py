@@ -6,7 +6,7 @@ import pytest
 
 import retrace_jax as rj
 from benchmarks.speed import rates, time_methods
-from retrace_jax.tiny import tiny_target
+from retrace_jax.models.tiny import tiny_target
 
 
 def test_rates_pool_end_to_end_and_decode_only():

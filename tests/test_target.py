@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import retrace_jax as rj
-from retrace_jax.kv_cache import KVCache
-from retrace_jax.target import per_layer_weights, prefill
+from retrace_jax.models.kv_cache import KVCache
+from retrace_jax.models.target import per_layer_weights, prefill
 
 TOL = 1e-4
 

@@ -11,14 +11,20 @@ import pytest
 from flax import nnx
 
 import retrace_jax as rj
-from retrace_jax.dflash_loss import (block_loss, build_blocks, default_gamma, draft_blocks, sample_anchors,
-                                     sequence_context)
-from retrace_jax.generation import _pad_stops
-from retrace_jax.retrace import shift_memory
-from retrace_jax.retrace_loss import retrace_loss, retrace_rollout, verify_blocks
-from retrace_jax.sampling import SamplingParams
-from retrace_jax.speculative_loop import SpeculativeStepper, draft_block
-from retrace_jax.verify import accepted_count
+from retrace_jax.decoding.generation import _pad_stops
+from retrace_jax.decoding.sampling import SamplingParams
+from retrace_jax.decoding.speculative import SpeculativeStepper, draft_block
+from retrace_jax.decoding.verify import accepted_count
+from retrace_jax.models.retrace import shift_memory
+from retrace_jax.training.dflash_loss import (
+    block_loss,
+    build_blocks,
+    default_gamma,
+    draft_blocks,
+    sample_anchors,
+    sequence_context,
+)
+from retrace_jax.training.retrace_loss import retrace_loss, retrace_rollout, verify_blocks
 from tests.helpers import with_random_retrace
 
 
@@ -220,7 +226,7 @@ def test_rollout_equals_inference_rounds(qwen3, rollout_case, source, rounds):
 
 
 def test_bf16_compute_remat_and_accumulation(qwen3):
-    from retrace_jax.train_step import StepOptions, adamw, init_opt_state, make_train_step
+    from retrace_jax.training.step import StepOptions, adamw, init_opt_state, make_train_step
 
     rng = np.random.RandomState(0)
     tokens = jnp.asarray(rng.randint(0, 127, (4, 32)), jnp.int32)

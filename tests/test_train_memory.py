@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from retrace_jax.tiny import TINY_QWEN3
-from retrace_jax.train_config import from_dict, load_config
-from retrace_jax.train_memory import QWEN3_4B, abstract_step, per_device_bytes, step_memory
+from retrace_jax.models.tiny import TINY_QWEN3
+from retrace_jax.training.config import from_dict, load_config
+from retrace_jax.training.memory import QWEN3_4B, abstract_step, per_device_bytes, step_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

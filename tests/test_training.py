@@ -11,9 +11,15 @@ from safetensors.numpy import load_file
 
 import retrace_jax as rj
 import train
-from retrace_jax.data import (DataError, PrepareSettings, check_prompt_lengths, drop_long, prepare_shards,
-                              read_prompts)
-from retrace_jax.trainer import load_config
+from retrace_jax.training.config import load_config
+from retrace_jax.training.data import (
+    DataError,
+    PrepareSettings,
+    check_prompt_lengths,
+    drop_long,
+    prepare_shards,
+    read_prompts,
+)
 from tests.helpers import make_hf_model, save_hf_model, save_word_tokenizer
 
 PROMPT_LINES = [
@@ -228,7 +234,7 @@ def test_feature_cache_gives_the_same_training(workspace, dflash_run):
 
 
 def test_resume_with_other_settings_is_refused_before_anything_is_restored(workspace, dflash_run, monkeypatch):
-    from retrace_jax.checkpointing import Checkpoints
+    from retrace_jax.training.checkpoints import Checkpoints
 
     root, config = workspace
     monkeypatch.setattr(Checkpoints, "restore", lambda *a, **k: pytest.fail("Orbax restored a checkpoint"))
@@ -289,22 +295,22 @@ def test_metrics_go_to_tensorboard_when_it_is_installed(dflash_run):
 def test_training_logs_without_tensorboard(tmp_path, monkeypatch):
     import sys
 
-    from retrace_jax.train_config import ConfigurationError
-    from retrace_jax.train_eval import MetricsLog
+    from retrace_jax.errors import ConfigError
+    from retrace_jax.training.evaluate import MetricsLog
 
     monkeypatch.setitem(sys.modules, "tensorboardX", None)  # as if it were not installed
     log = MetricsLog(str(tmp_path), "auto", echo=False)
     log({"step": 1, "loss": 2.5})
     log.close()
     assert _records(str(tmp_path)) == [{"step": 1, "loss": 2.5}] and not (tmp_path / "tensorboard").exists()
-    with pytest.raises(ConfigurationError, match="pip install 'retrace-jax\\[tensorboard\\]'"):
+    with pytest.raises(ConfigError, match="pip install 'retrace-jax\\[tensorboard\\]'"):
         MetricsLog(str(tmp_path / "b"), True)
 
 
 @pytest.mark.slow  # CI time; pytest -m slow runs it
 def test_a_draft_vocabulary_is_chosen_from_the_data_kept_on_resume_and_exported(workspace, dflash_run):
-    from retrace_jax.data import SequenceData
-    from retrace_jax.draft_vocab import frequent_tokens, token_counts
+    from retrace_jax.models.draft_vocab import frequent_tokens, token_counts
+    from retrace_jax.training.data import SequenceData
 
     root, config = workspace
     out = str(root / "vocab")

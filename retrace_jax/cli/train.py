@@ -1,0 +1,88 @@
+"""Train DFlash and ReTrace drafters.
+
+    python train.py --config configs/tiny_dflash.yaml                 # prepare the data, then train
+    python train.py --config configs/tiny_dflash.yaml --stage prepare # only regenerate the responses
+    python train.py --config configs/tiny_retrace.yaml --set train.steps=200
+    python train.py --config configs/tiny_dflash.yaml --stage export  # the latest checkpoint -> OUT/drafter_stepN
+    python train.py --describe                                        # every config key, its default and docs
+
+Data preparation regenerates the responses to the prompts with the target (resumable shards); training
+fits the drafter (DFlash, or ReTrace's K-round on-policy rollout), checkpoints with Orbax and resumes exactly
+from the last checkpoint when rerun, evaluates τ with real speculative generation on held-out prompts,
+and exports the drafter in the official DFlash layout to ``OUT/drafter``. Metrics go to stdout,
+``OUT/metrics.jsonl`` and, when tensorboardX is installed, TensorBoard event files in ``OUT/tensorboard``.
+
+Several processes (one per host) run the same command; see docs/training.md. On one machine:
+
+    JAX_COORDINATOR_ADDRESS=127.0.0.1:12345 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 python train.py --config C &
+    JAX_COORDINATOR_ADDRESS=127.0.0.1:12345 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=1 python train.py --config C
+
+Errors (a bad configuration, a missing file, a diverged run) print one ``error: ...`` line and exit
+with status 1; ``--traceback`` (or ``RETRACE_JAX_TRACEBACK=1``, as for decode.py) shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from retrace_jax.cli import run_main
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="a YAML file (see configs/)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. train.steps=200 (repeatable)")
+    p.add_argument("--stage", choices=["all", "prepare", "train", "export"], default="all",
+                   help="all: prepare the data if needed, then train; export: write the drafter of a checkpoint "
+                        "(--step, default the latest) to OUT/drafter_stepN without training, e.g. to evaluate "
+                        "a run that is still going")
+    p.add_argument("--step", type=int, default=None, help="with --stage export: the checkpoint's step")
+    p.add_argument("--describe", action="store_true", help="print every config key with its default and exit")
+    p.add_argument("--traceback", action="store_true", help="on an error, show the full traceback")
+    args = p.parse_args(argv)
+    if args.describe:
+        from retrace_jax.training.config import describe
+
+        print(describe())
+        return None
+    if not args.config:
+        p.error("--config is required")
+    if args.step is not None and args.stage != "export":
+        p.error("--step goes with --stage export")
+    return run_main(lambda _: run(args), traceback=args.traceback)
+
+
+def run(args):
+    from retrace_jax.decoding.programs import enable_compilation_cache
+    from retrace_jax.parallel.distributed import initialize
+    from retrace_jax.training.config import load_config
+    from retrace_jax.training.evaluate import MetricsLog
+    from retrace_jax.training.loop import export_checkpoint, train
+    from retrace_jax.training.prepare import prepare
+
+    cfg = load_config(args.config, args.set)
+    initialize(cfg.train.distributed)  # before anything touches a device
+    enable_compilation_cache()  # a rerun (e.g. a resume) loads its programs instead of compiling them
+    if args.stage == "export":  # prints only: the run's own log files stay the run's
+        return export_checkpoint(cfg, args.step, MetricsLog(None))
+    log = MetricsLog(cfg.out, cfg.train.tensorboard)
+    try:
+        if args.stage in ("all", "prepare"):
+            manifest = os.path.join(cfg.data_dir, "manifest.json")
+            if args.stage == "prepare" or not os.path.exists(manifest) or _unfinished(manifest):
+                prepare(cfg, log)
+        if args.stage in ("all", "train"):
+            return train(cfg, log)
+    finally:
+        log.close()
+
+
+def _unfinished(manifest_path: str) -> bool:
+    with open(manifest_path) as f:
+        m = json.load(f)
+    shards = -(-m["settings"]["num_prompts"] // m["settings"]["shard_size"])
+    return len(m["done"]) < shards
+

@@ -1,0 +1,225 @@
+"""``generate``: the public entry point. Validates and pads the batch, runs one compiled program."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from retrace_jax.attention import IMPLEMENTATIONS
+from retrace_jax.decoding.plain import plain_generate
+from retrace_jax.decoding.sampling import SamplingMode, SamplingParams
+from retrace_jax.decoding.speculative import speculative_generate
+from retrace_jax.io.checkpoints import resolve_dtype
+from retrace_jax.models.config import short_repr
+from retrace_jax.models.drafter import DFlashDrafter, check_drafter_matches
+from retrace_jax.models.target import TargetModel, per_layer_weights, resolve_layer_loop
+from retrace_jax.parallel.placement import shard_model
+from retrace_jax.parallel.sharding import axis_size, batch_sharding
+
+MIN_BUCKET = 16
+STOP_BUCKET = 8
+DRAFT_RULES = ("argmax", "target_sample", "sample")  # speculative sampling at T > 0 (see generate)
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+    tokens: list[list[int]]  # the new tokens of each prompt (up to and including a stop token)
+    acceptance_lengths: list[list[int]]  # per prompt, tokens committed per round
+
+    def tau(self) -> float:
+        """Mean acceptance length: the mean over prompts of each prompt's mean over rounds."""
+        per_prompt = [np.mean(a) for a in self.acceptance_lengths if a]
+        return float(np.mean(per_prompt)) if per_prompt else float("nan")
+
+    def tau_pooled(self) -> float:
+        """Mean acceptance length pooled over all rounds of all prompts."""
+        rounds = [x for a in self.acceptance_lengths for x in a]
+        return float(np.mean(rounds)) if rounds else float("nan")
+
+
+def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
+    """The padded size for ``n``: the next power of two, at least ``minimum``."""
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+def generate(
+    target: TargetModel,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int = 64,
+    *,
+    drafter: DFlashDrafter | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_token_ids: Sequence[int] = (),
+    seed: int = 0,
+    block_size: int | None = None,
+    use_retrace: bool = True,
+    draft_rule: str = "argmax",
+    mesh=None,
+    cache_dtype=None,
+    attention: str = "auto",
+    layer_loop: str = "auto",
+) -> GenerateOutput:
+    """Generates up to ``max_new_tokens`` for each prompt (token ids) in one compiled program.
+
+    With a ``drafter``, decoding is speculative (lossless: the same tokens as without it); the block
+    size is the drafter's unless ``block_size`` overrides it. A ReTrace drafter runs with its memory
+    unless ``use_retrace=False`` (an ablation: then it drafts exactly as a DFlash drafter).
+
+    ``temperature > 0`` samples from the target's distribution after temperature, top-k (0: off) and
+    top-p (1.0: off); speculative sampling keeps that distribution exactly, by one of three rules:
+    ``draft_rule="argmax"`` proposes the drafter's argmax and verifies by rejection sampling with a
+    one-hot draft distribution; ``"target_sample"`` (the official DFlash loop's rule) proposes the
+    argmax, lets the target draw its own token at every slot and accepts while they match; ``"sample"``
+    draws proposals from the drafter's own filtered distribution q (rejection sampling with q). The
+    first two give the same distribution of tokens and of acceptance lengths (only the use of the random
+    stream differs). Each row has its own random stream; ``seed`` makes runs reproducible.
+
+    With a ``mesh`` (see ``rj.make_mesh``) the same program runs sharded: parameters by the
+    logical-axis rules (placed there if they are not yet), caches and batch over the data axis, heads
+    over the tensor axis; the batch is padded to a multiple of the data axis. The batch, prompt length,
+    ``max_new_tokens`` and stop list are padded to buckets, so calls whose sizes fall into the same
+    buckets reuse the compiled program.
+
+    ``cache_dtype`` ("float32" or "bfloat16"; default: the target's dtype) stores both KV caches in that
+    type. ``attention`` chooses the attention implementation ("auto", "chunked", "dense", "cudnn",
+    "pallas_gpu" or "pallas_tpu"; see ``retrace_jax/attention/``): the default walks the caches only up to
+    the filled length.
+    ``layer_loop`` runs the target's layers with one ``lax.scan`` ("scan": compile time independent of
+    depth) or as a Python loop over per-layer weights ("unrolled": faster steps on CPU, where a scan
+    copies each layer's weights at every step; compile time grows with depth); "auto" is "unrolled" on
+    CPU and "scan" on accelerators. The unrolled loop's per-layer copy of the target's layer weights is
+    made on the first call and kept while the target lives (twice the layer weights in memory; see
+    ``retrace_jax.models.target.per_layer_weights``).
+    """
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh (e.g. rj.make_mesh({mesh!r}) for a string) or None, "
+                        f"got {type(mesh).__name__} {mesh!r}")
+    mode = _sampling_mode(temperature, top_k, top_p, draft_rule)
+    if attention not in IMPLEMENTATIONS:
+        raise ValueError(f"attention must be one of {IMPLEMENTATIONS}, got {attention!r}")
+    layer_loop = resolve_layer_loop(layer_loop)
+    cache_dtype = None if cache_dtype is None else resolve_dtype(cache_dtype)
+    if int(seed) != seed or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+    sampling = SamplingParams.make(temperature, top_k, top_p, seed)
+    batch = _check_prompts(target, prompts, max_new_tokens)
+    stops = _pad_stops(stop_token_ids, target.cfg.vocab_size)
+    capacity = bucket(max_new_tokens)
+    rows = bucket(batch, 1)
+    if mesh is not None:
+        data = axis_size(mesh, "batch")
+        rows = -(-rows // data) * data
+        target = shard_model(target, mesh)
+        drafter = None if drafter is None else shard_model(drafter, mesh)
+    tokens, lens, live = _pad_prompts(prompts, rows, bucket(max(map(len, prompts))))
+    if mesh is not None:
+        tokens, lens, live = (jax.device_put(x, batch_sharding(mesh, x.ndim)) for x in (tokens, lens, live))
+    target_def, target_state = nnx.split(target)
+    slices = per_layer_weights(target, layer_loop)
+    max_new = np.int32(max_new_tokens)
+    if drafter is None:
+        buf = plain_generate(target_def, target_state, tokens, lens, live, max_new, stops, sampling,
+                             capacity=capacity, mode=mode, mesh=mesh, cache_dtype=cache_dtype, attention=attention,
+                             layer_loop=layer_loop, slices=slices)
+        out_tokens, num = _fetch((buf.tokens, buf.num))
+        new = [out_tokens[b, : num[b]].tolist() for b in range(batch)]
+        return GenerateOutput(tokens=new, acceptance_lengths=[[1] * len(t) for t in new])
+
+    check_drafter_matches(drafter.cfg, target.cfg)
+    block_size = drafter.cfg.block_size if block_size is None else int(block_size)
+    if block_size < 2:
+        raise ValueError(f"block_size must be at least 2, got {block_size}")
+    drafter_def, drafter_state = nnx.split(drafter)
+    buf, accept, rounds = speculative_generate(
+        target_def, target_state, drafter_def, drafter_state, tokens, lens, live, max_new, stops, sampling,
+        capacity=capacity, block_size=block_size, use_retrace=bool(use_retrace), mode=mode, mesh=mesh,
+        cache_dtype=cache_dtype, attention=attention, layer_loop=layer_loop, slices=slices,
+    )
+    out_tokens, num, accept, rounds = _fetch((buf.tokens, buf.num, accept, rounds))
+    return GenerateOutput(
+        tokens=[out_tokens[b, : num[b]].tolist() for b in range(batch)],
+        acceptance_lengths=[accept[b, : rounds[b]].tolist() for b in range(batch)],
+    )
+
+
+def _fetch(tree):
+    """Host copies of the outputs. On a mesh that spans processes every process gathers the whole
+    batch (all of them run this same call, as multi-process JAX requires)."""
+    if all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(tree)):
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def _sampling_mode(temperature, top_k, top_p, draft_rule) -> SamplingMode:
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+    if int(top_k) != top_k or top_k < 0:
+        raise ValueError(f"top_k must be a non-negative integer (0: off), got {top_k!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
+    if draft_rule not in DRAFT_RULES:
+        raise ValueError(f"draft_rule must be one of {', '.join(map(repr, DRAFT_RULES))}, got {draft_rule!r}")
+    if temperature == 0:  # greedy: the filters keep the argmax, so they change nothing
+        return SamplingMode()
+    return SamplingMode(sample=True, top_k=top_k > 0, top_p=top_p < 1, draft_rule=draft_rule)
+
+
+def _check_prompts(target: TargetModel, prompts, max_new_tokens: int) -> int:
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or not len(prompts):
+        raise ValueError(f"prompts must be a non-empty list of token-id lists, got {short_repr(prompts)}")
+    if any(isinstance(p, (int, np.integer)) for p in prompts):
+        raise TypeError(f"prompts must be a list of token-id lists, one per prompt, got a flat list of ints "
+                        f"{short_repr(prompts)}; for a single prompt pass [ids]")
+    if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    cfg = target.cfg
+    for i, p in enumerate(prompts):
+        if isinstance(p, (str, bytes)) or not len(p):
+            raise ValueError(f"prompt {i} must be a non-empty list of token ids")
+        arr = np.asarray(p)
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"prompt {i} must be a flat list of integer token ids")
+        if arr.min() < 0 or arr.max() >= cfg.vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside [0, {cfg.vocab_size})")
+        if len(p) + max_new_tokens > cfg.max_position_embeddings:
+            raise ValueError(
+                f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
+                f"{len(p) + max_new_tokens} positions, more than the model's "
+                f"max_position_embeddings={cfg.max_position_embeddings}"
+            )
+    return len(prompts)
+
+
+def _pad_prompts(prompts, batch: int, length: int):
+    """Right-pads prompts to ``[batch, length]``; extra rows are dead (one token, never generated)."""
+    tokens = np.zeros((batch, length), np.int32)
+    lens = np.ones((batch,), np.int32)
+    live = np.zeros((batch,), bool)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = p
+        lens[b], live[b] = len(p), True
+    return tokens, lens, live
+
+
+def _pad_stops(stop_token_ids, vocab_size: int):
+    if isinstance(stop_token_ids, (int, np.integer, str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
+        raise TypeError(f"stop_token_ids must be a list of token ids, got {type(stop_token_ids).__name__} "
+                        f"{stop_token_ids!r}" + (f"; write [{stop_token_ids}]" if isinstance(stop_token_ids, int) else ""))
+    stops = list(stop_token_ids)
+    if any(not isinstance(s, (int, np.integer)) for s in stops):
+        raise TypeError(f"stop_token_ids must hold integer token ids, got {short_repr(stops)}")
+    stops = [int(s) for s in stops]
+    if any(not 0 <= s < vocab_size for s in stops):
+        raise ValueError(f"stop_token_ids {stops} must lie in [0, {vocab_size})")
+    padded = np.full((bucket(len(stops), STOP_BUCKET),), -1, np.int32)
+    padded[: len(stops)] = stops
+    return padded

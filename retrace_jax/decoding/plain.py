@@ -1,0 +1,111 @@
+"""Plain autoregressive decoding as one program: prefill, then a ``lax.while_loop`` of one-token steps.
+
+The step is a pure function :func:`plain_step` ``(model, constants, carry) -> carry``; the compiled loop
+calls it, and :class:`PlainStepper` calls it one jitted step at a time (benchmarks time it alone).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from retrace_jax.decoding.commit import OutputBuffer, commit
+from retrace_jax.decoding.programs import DecodeProgram
+from retrace_jax.decoding.sampling import SamplingMode, SamplingParams, row_keys, step_keys
+from retrace_jax.models.kv_cache import KVCache
+from retrace_jax.models.target import merge_target, per_layer_weights, prefill
+
+
+@struct.dataclass
+class PlainCarry:
+    cache: KVCache
+    buf: OutputBuffer
+    last_b: jax.Array  # [B] the token fed to the next step
+
+
+@struct.dataclass
+class StepConstants:
+    keys_b: jax.Array  # [B, 2] each row's random stream
+    max_new: jax.Array  # int32 scalar
+    stop_ids: jax.Array  # [N] int32, padded with -1
+    sampling: SamplingParams
+    mode: SamplingMode = struct.field(pytree_node=False, default=SamplingMode())
+    mesh: object = struct.field(pytree_node=False, default=None)
+    attention: str = struct.field(pytree_node=False, default="auto")
+
+
+def plain_init(model, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampling: SamplingParams, *, capacity,
+               mode: SamplingMode = SamplingMode(), mesh=None, cache_dtype=None, attention="auto"):
+    """Prefill and the first token of each row (key step 0)."""
+    batch, prompt_len = tokens_bp.shape
+    cache = model.init_cache(batch, prompt_len + capacity, cache_dtype).constrain(mesh)
+    logits_bv, cache, _ = prefill(model, tokens_bp, prompt_lens_b, cache, attention=attention)
+    consts = StepConstants(row_keys(sampling.seed, batch), jnp.asarray(max_new, jnp.int32), stop_ids, sampling,
+                           mode=mode, mesh=mesh, attention=attention)
+    first_b = sampling.choose(step_keys(consts.keys_b, jnp.zeros((batch,), jnp.int32)), logits_bv, mode)
+    ones_b = jnp.ones((batch,), jnp.int32)
+    buf = commit(OutputBuffer.empty(batch, capacity, ~live_b), first_b[:, None], ones_b, consts.max_new, stop_ids)
+    return consts, PlainCarry(cache, buf, first_b)
+
+
+def plain_step(model, consts: StepConstants, c: PlainCarry) -> PlainCarry:
+    """One token for every row; finished rows keep their cache length and output."""
+    out = model(c.last_b[:, None], c.cache, attention=consts.attention)
+    next_b = consts.sampling.choose(step_keys(consts.keys_b, c.buf.num), model.logits(out.hidden[:, 0]), consts.mode)
+    lengths = jnp.where(c.buf.done, c.cache.lengths, out.cache.lengths)
+    ones_b = jnp.ones_like(next_b)
+    buf = commit(c.buf, next_b[:, None], ones_b, consts.max_new, consts.stop_ids)
+    return PlainCarry(out.cache.replace(lengths=lengths).constrain(consts.mesh), buf, next_b)
+
+
+@functools.partial(DecodeProgram, static_argnames=("graphdef", "capacity", "mode", "mesh", "cache_dtype",
+                                                   "attention", "layer_loop"))
+def plain_generate(graphdef, state, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids,
+                   sampling: SamplingParams, *, capacity, mode: SamplingMode = SamplingMode(), mesh=None,
+                   cache_dtype=None, attention="auto", layer_loop="auto", slices=None):
+    """Greedy or sampled decoding of a right-padded batch; rows with ``live_b`` False are padding.
+
+    Row ``b`` draws its ``n``-th token with ``fold_in(fold_in(PRNGKey(seed), b), n)``. With a ``mesh``
+    the cache is sharded (batch over data, KV heads over tensor) like the parameters.
+    An unrolled ``layer_loop`` takes the per-layer weights from ``slices`` (see
+    :func:`~retrace_jax.models.target.per_layer_weights`), or slices them itself when it is None.
+    Returns the output buffer (``capacity`` >= ``max_new`` slots per row).
+    """
+    model = merge_target(graphdef, state, layer_loop, slices)
+    consts, init = plain_init(model, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampling,
+                              capacity=capacity, mode=mode, mesh=mesh, cache_dtype=cache_dtype, attention=attention)
+    final = jax.lax.while_loop(lambda c: ~jnp.all(c.buf.done), lambda c: plain_step(model, consts, c), init)
+    return final.buf
+
+
+class PlainStepper:
+    """The plain program one jitted step per Python call, with the layer loop ``generate`` would use
+    (unrolled on CPU, with the target's kept per-layer weights): ``init`` runs the prefill, ``step``
+    one token for every row. For benchmarks and debugging; the tokens are those of
+    :func:`plain_generate`."""
+
+    def __init__(self, target, layer_loop: str = "auto", **static):
+        self._def, self._state = nnx.split(target)
+        self._slices = per_layer_weights(target, layer_loop)
+        self.consts = self.carry = None
+
+        def init(state, slices, *args):
+            return plain_init(merge_target(self._def, state, layer_loop, slices), *args, **static)
+
+        def step(state, slices, consts, carry):
+            return plain_step(merge_target(self._def, state, layer_loop, slices), consts, carry)
+
+        self._init, self._step = DecodeProgram(init), DecodeProgram(step, donate_argnums=3)  # carry updated in place
+
+    def init(self, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampling: SamplingParams) -> PlainCarry:
+        self.consts, self.carry = self._init(self._state, self._slices, tokens_bp, prompt_lens_b, live_b, max_new,
+                                             stop_ids, sampling)
+        return self.carry
+
+    def step(self) -> PlainCarry:
+        """One token per row; the previous carry is donated (keep a copy to run a step again)."""
+        self.carry = self._step(self._state, self._slices, self.consts, self.carry)
+        return self.carry

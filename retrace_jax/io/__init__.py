@@ -1,0 +1,7 @@
+"""Checkpoints in the Hugging Face / official DFlash layout.
+
+* ``weights`` -- the table that maps each parameter to its safetensors name, shape and logical axes;
+* ``safetensors`` -- reading single-file and sharded safetensors checkpoints lazily;
+* ``atomic`` -- writing a checkpoint directory so that readers never see it half-written;
+* ``checkpoints`` -- :func:`load_target`, :func:`load_drafter`, :func:`save_target`, :func:`save_drafter`.
+"""

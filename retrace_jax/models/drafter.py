@@ -1,0 +1,337 @@
+"""The DFlash drafter: decoder layers that fill a block of mask tokens in one non-causal pass.
+
+The target's features enter through every layer's keys and values ("KV injection"): the fused context
+``hidden_norm(fc(features))`` is projected by each layer's own ``k_proj``/``v_proj`` and placed before the
+block's keys. The drafter has no embedding and no LM head: the target's are passed in by the caller.
+Its decoder blocks are the target's (``retrace_jax/models/layers.py``) with q/k norms and no MLP bias. See
+``docs/dflash.md``; shape letters: ``retrace_jax/attention/``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import numbers
+import warnings
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from retrace_jax.attention import attention_beside_context, cached_attention
+from retrace_jax.errors import ConfigError
+from retrace_jax.models.config import ModelConfig, rope_theta
+from retrace_jax.models.draft_vocab import DraftVocab, check_ids
+from retrace_jax.models.kv_cache import KVCache
+from retrace_jax.models.layers import BlockSpec, DecoderBlock, RMSNorm, linear
+from retrace_jax.models.retrace import Memory, ReTraceConfig, ReTraceFusion
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """The official default: the middle layer for one, else evenly spread from layer 1 to L-3.
+
+    Kept exactly, duplicates included: for a shallow target (``num_target_layers - 4`` smaller than
+    ``num_draft_layers - 1``) ids repeat, e.g. ``(1, 1)`` for 4 target layers and 2 drafter layers. The
+    drafter then reads the same feature twice; :class:`DrafterConfig` warns about it."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    vocab_size: int
+    attention_bias: bool = False
+    retrace: ReTraceConfig | None = None  # set for a ReTrace drafter
+    draft_vocab_size: int | None = None  # U: proposals come from U token ids (retrace_jax/models/draft_vocab.py)
+
+    def __post_init__(self):
+        u = self.draft_vocab_size
+        if u is not None and (isinstance(u, bool) or not isinstance(u, numbers.Integral)
+                              or not 1 <= u <= self.vocab_size):
+            raise ConfigError(f"draft_vocab_size must be an integer in [1, vocab_size {self.vocab_size}] or "
+                              f"absent, got {u!r}")
+        repeated = sorted(i for i, n in collections.Counter(self.target_layer_ids).items() if n > 1)
+        if repeated:
+            warnings.warn(
+                f"drafter target_layer_ids {list(self.target_layer_ids)} repeat layer(s) {repeated}: the drafter "
+                f"reads the same target feature more than once. The official default formula gives such ids "
+                f"when the target has few layers ({self.num_target_layers} here) for {self.num_layers} drafter "
+                f"layers; they are kept as given, as the official DFlash code keeps them",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    @property
+    def block_spec(self) -> BlockSpec:
+        return BlockSpec(self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim,
+                         self.rope_theta, self.rms_norm_eps, qkv_bias=self.attention_bias,
+                         o_bias=self.attention_bias, mlp_bias=False, qk_norm=True)
+
+    @property
+    def num_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "DrafterConfig":
+        dflash = hf.get("dflash_config")
+        if not isinstance(dflash, dict) or "mask_token_id" not in dflash:
+            raise ConfigError("not a DFlash drafter config: dflash_config.mask_token_id is missing")
+        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_target_layers", "block_size", "vocab_size"):
+            if key not in hf:
+                raise ConfigError(f"drafter config.json lacks {key!r}")
+        heads = hf["num_attention_heads"]
+        layer_ids = dflash.get("target_layer_ids") or default_target_layer_ids(
+            hf["num_target_layers"], hf["num_hidden_layers"]
+        )
+        return cls(
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rope_theta=float(rope_theta(hf)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
+            block_size=int(hf["block_size"]),
+            mask_token_id=int(dflash["mask_token_id"]),
+            target_layer_ids=tuple(int(i) for i in layer_ids),
+            num_target_layers=int(hf["num_target_layers"]),
+            vocab_size=int(hf["vocab_size"]),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            retrace=ReTraceConfig.from_hf(hf.get("retrace_config")),
+            draft_vocab_size=hf.get("draft_vocab_size"),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The official DFlash ``config.json`` fields (loadable by ``DFlashDraftModel``)."""
+        hf = {
+            "architectures": ["DFlashDraftModel"],
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "model_type": "qwen3",
+            "block_size": self.block_size,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "num_hidden_layers": self.num_layers,
+            "num_target_layers": self.num_target_layers,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "layer_types": ["full_attention"] * self.num_layers,
+            "tie_word_embeddings": False,
+            "vocab_size": self.vocab_size,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+        }
+        if self.retrace is not None:
+            hf["retrace_config"] = self.retrace.to_hf()
+        if self.draft_vocab_size is not None:  # its ids are in draft_vocab.safetensors
+            hf["draft_vocab_size"] = self.draft_vocab_size
+        return hf
+
+
+class DFlashDrafter(nnx.Module):
+    """DFlash drafter. ``context_kv`` turns target features into per-layer keys/values; ``forward``
+    drafts blocks of embedded tokens against them. With ``cfg.retrace`` it also owns the ReTrace
+    fusion, applied to the block's embeddings when a memory is given."""
+
+    def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.fc = linear(cfg.num_features * d, d, False, dtype, rngs)
+        self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        self.layers = nnx.List([DecoderBlock(cfg.block_spec, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        if cfg.retrace is not None:
+            self.retrace = ReTraceFusion(cfg.retrace, d, d, dtype=dtype, rngs=rngs)
+        if cfg.draft_vocab_size is not None:  # ids 0..U-1 until init_drafter, with_draft_vocab or a
+            # checkpoint sets them
+            self.draft_vocab = DraftVocab(jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32))
+
+    @property
+    def dtype(self):
+        return self.fc.kernel.dtype
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        cfg = self.cfg
+        return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype or self.dtype)
+
+    def context_kv(self, features_btf, positions_bt):
+        """Per-layer ``(k, v)`` of the fused target features ``[B, T, n*d]`` at their positions."""
+        ctx = self.hidden_norm(self.fc(features_btf.astype(self.dtype)))
+        return [layer.self_attn.keys_values(ctx, positions_bt) for layer in self.layers]
+
+    def extend_cache(self, features_btf, cache: KVCache) -> KVCache:
+        """Appends the context keys/values of ``T`` positions at each row's length (lengths += T)."""
+        t = features_btf.shape[1]
+        positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
+        for i, (k_new, v_new) in enumerate(self.context_kv(features_btf, positions)):
+            cache = cache.write(i, k_new, v_new, cache.lengths)
+        return cache.replace(lengths=cache.lengths + t)
+
+    def run_layers(self, emb_btd, positions_bt, attend_at, remat: bool = False):
+        """Final-norm hidden states (the LM head's input) of the block tokens ``[B, T, d]``; layer ``i``
+        attends through ``attend_at(i)`` (see ``layers.Attend``).
+
+        ``remat`` recomputes each layer's activations in the backward pass instead of storing them."""
+        h = emb_btd.astype(self.dtype)
+        for i, layer in enumerate(self.layers):
+            attend = attend_at(i)
+            if remat:
+                h = nnx.remat(lambda lyr, h: lyr(h, positions_bt, attend)[0])(layer, h)
+            else:
+                h = layer(h, positions_bt, attend)[0]
+        return self.norm(h)
+
+    def forward(self, emb_btd, positions_bt, ctx_kv, mask_bt_st, remat: bool = False):
+        """Block states against explicit per-layer context ``(k, v)`` and a mask ``[B, T, S + T]``
+        (``mask[:, :, :S]`` covers the context, the rest the block's own keys): training's path."""
+
+        def attend_at(i):
+            ctx_k, ctx_v = ctx_kv[i]
+            return lambda q, k, v: (attention_beside_context(q, k, v, ctx_k, ctx_v, mask_bt_st), None)
+
+        return self.run_layers(emb_btd, positions_bt, attend_at, remat)
+
+    def draft(self, emb_btd, cache: KVCache, memory: Memory | None = None, beta=1.0, attention: str = "auto"):
+        """Drafts one block per row at positions ``cache.lengths[b] + 0..T-1``: every block token sees
+        the row's committed context (the cache below its length) and the whole block. ``memory``
+        (ReTrace drafters) is fused into the block's embeddings first."""
+        if memory is not None:
+            emb_btd = self.retrace(emb_btd.astype(self.dtype), memory, beta)
+        b, t, _ = emb_btd.shape
+        positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
+        limit = jnp.broadcast_to(cache.lengths[:, None], (b, t))
+
+        def attend_at(i):
+            return lambda q, k, v: (cached_attention(q, cache.k, cache.v, i, limit, k, v, implementation=attention),
+                                    None)
+
+        return self.run_layers(emb_btd, positions, attend_at)
+
+
+def init_drafter(target_cfg, *, mask_token_id: int, num_layers: int = 1, block_size: int = 16,
+                 target_layer_ids=None, intermediate_size=None, retrace: ReTraceConfig | None = None,
+                 dtype=jnp.float32, seed: int = 0, draft_vocab=None) -> DFlashDrafter:
+    """A randomly initialised drafter shaped for ``target_cfg`` (a :class:`~retrace_jax.ModelConfig`):
+    the target's width, heads and RoPE; features from ``target_layer_ids`` (official default if None).
+    With ``retrace`` it is a ReTrace drafter whose fusion starts at zero (exactly DFlash). ``draft_vocab``
+    (ascending token ids, e.g. from :func:`~retrace_jax.models.draft_vocab.frequent_tokens`) limits its
+    proposals to those tokens; None: the whole vocabulary."""
+    for name, value, low in (("num_layers", num_layers, 1), ("block_size", block_size, 2)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+            raise ValueError(f"init_drafter: {name} must be an integer >= {low}, got {value!r}")
+    if not isinstance(mask_token_id, numbers.Integral) or not 0 <= mask_token_id < target_cfg.vocab_size:
+        raise ValueError(f"init_drafter: mask_token_id must be a token id in [0, {target_cfg.vocab_size}), "
+                         f"got {mask_token_id!r}")
+    ids = None if draft_vocab is None else check_ids(draft_vocab, target_cfg.vocab_size, "init_drafter: draft_vocab")
+    cfg = DrafterConfig(
+        hidden_size=target_cfg.hidden_size,
+        intermediate_size=intermediate_size or target_cfg.intermediate_size,
+        num_layers=num_layers,
+        num_heads=target_cfg.num_heads,
+        num_kv_heads=target_cfg.num_kv_heads,
+        head_dim=target_cfg.head_dim,
+        rope_theta=target_cfg.rope_theta,
+        rms_norm_eps=target_cfg.rms_norm_eps,
+        max_position_embeddings=target_cfg.max_position_embeddings,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=tuple(target_layer_ids or default_target_layer_ids(target_cfg.num_layers, num_layers)),
+        num_target_layers=target_cfg.num_layers,
+        vocab_size=target_cfg.vocab_size,
+        retrace=retrace,
+        draft_vocab_size=None if ids is None else len(ids),
+    )
+    drafter = DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+    if ids is not None:
+        drafter.draft_vocab.set_value(jnp.asarray(ids))
+    return drafter
+
+
+def with_draft_vocab(drafter: DFlashDrafter, ids) -> DFlashDrafter:
+    """A copy of the drafter (sharing its weights) that proposes only from ``ids`` (ascending token ids);
+    ``ids=None``: over the whole vocabulary."""
+    graphdef, state = nnx.split(drafter)
+    new = nnx.merge(graphdef, state)
+    if ids is None:
+        if hasattr(new, "draft_vocab"):
+            del new.draft_vocab
+        new.cfg = dataclasses.replace(drafter.cfg, draft_vocab_size=None)
+        return new
+    ids = check_ids(ids, drafter.cfg.vocab_size, "with_draft_vocab: ids")
+    new.cfg = dataclasses.replace(drafter.cfg, draft_vocab_size=len(ids))
+    new.draft_vocab = DraftVocab(jnp.asarray(ids))
+    return new
+
+
+def init_layers_from_target(drafter: DFlashDrafter, target, layer_ids) -> DFlashDrafter:
+    """A copy of the drafter whose decoder layer ``i`` starts from target layer ``layer_ids[i]``: every
+    weight the two blocks share (attention projections, MLP, norms) is copied. What only the drafter
+    has keeps its value: the q/k norms when the target has none (Llama, Qwen2), the feature projection
+    ``fc`` and the norms around it; target biases the drafter lacks are left out."""
+    ids = [int(i) for i in layer_ids]
+    if len(ids) != drafter.cfg.num_layers:
+        raise ValueError(f"init_layers_from_target: {len(ids)} layer ids for a drafter of {drafter.cfg.num_layers} "
+                         f"layers")
+    slices = target.layer_slices()
+    bad = [i for i in ids if not 0 <= i < len(slices)]
+    if bad:
+        raise ValueError(f"init_layers_from_target: layers {bad} are not among the target's 0..{len(slices) - 1}")
+    drafter = nnx.clone(drafter)  # its own variables: the caller's drafter stays as it was
+    flat = dict(nnx.to_flat_state(nnx.state(drafter)))
+    for i, layer in enumerate(ids):
+        for path, var in nnx.to_flat_state(slices[layer]):
+            mine = flat.get(("layers", i) + tuple(path))
+            if mine is None:
+                continue
+            value = var.get_value()
+            if value.shape != mine.get_value().shape:
+                raise ValueError(f"init_layers_from_target: target layer {layer} {'.'.join(map(str, path))} has "
+                                 f"shape {value.shape}, the drafter's {mine.get_value().shape}")
+            mine.set_value(jnp.asarray(value, mine.get_value().dtype))
+    return drafter
+
+
+def check_drafter_matches(cfg: DrafterConfig, target_cfg: ModelConfig) -> None:
+    """Raises ``ConfigError`` listing every way a drafter does not fit a target."""
+    problems = []
+    if cfg.hidden_size != target_cfg.hidden_size:
+        problems.append(f"hidden_size {cfg.hidden_size} != target hidden_size {target_cfg.hidden_size}")
+    if cfg.num_target_layers != target_cfg.num_layers:
+        problems.append(f"num_target_layers {cfg.num_target_layers} != target num_hidden_layers "
+                        f"{target_cfg.num_layers}")
+    if cfg.vocab_size != target_cfg.vocab_size:
+        problems.append(f"vocab_size {cfg.vocab_size} != target vocab_size {target_cfg.vocab_size}")
+    if not 0 <= cfg.mask_token_id < target_cfg.vocab_size:
+        problems.append(f"mask_token_id {cfg.mask_token_id} outside the target vocabulary [0, {target_cfg.vocab_size})")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target_cfg.num_layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} outside the target's layers 0..{target_cfg.num_layers - 1}")
+    if cfg.block_size < 2:
+        problems.append(f"block_size {cfg.block_size} < 2")
+    if cfg.num_layers < 1:
+        problems.append(f"num_hidden_layers {cfg.num_layers} < 1")
+    if problems:
+        raise ConfigError("drafter does not match the target: " + "; ".join(problems))

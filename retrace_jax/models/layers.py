@@ -1,0 +1,140 @@
+"""Building blocks shared by the target model and the DFlash drafter: one attention layer and one
+decoder block serve both (shape letters: see ``retrace_jax/attention/``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm with Hugging Face semantics: statistics in float32, scale applied in the input dtype.
+
+    Written out rather than ``nnx.RMSNorm`` so that bfloat16 rounding matches transformers exactly.
+    """
+
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x32.astype(x.dtype)
+
+
+def linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    """A dense layer whose parameters and computation use ``dtype`` (kernel stored ``[in, out]``)."""
+    return nnx.Linear(
+        din,
+        dout,
+        use_bias=bias,
+        dtype=dtype,
+        param_dtype=dtype,
+        kernel_init=nnx.initializers.normal(0.02),
+        rngs=rngs,
+    )
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool, dtype, rngs: nnx.Rngs):
+        self.gate_proj = linear(dim, hidden, bias, dtype, rngs)
+        self.up_proj = linear(dim, hidden, bias, dtype, rngs)
+        self.down_proj = linear(hidden, dim, bias, dtype, rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope(x_bthd, positions_bt, theta: float):
+    """Rotary embedding (the "rotate half" layout of transformers) at absolute positions."""
+    head_dim = x_bthd.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    angles = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, D]
+    cos, sin = jnp.cos(angles).astype(x_bthd.dtype), jnp.sin(angles).astype(x_bthd.dtype)
+    x1, x2 = jnp.split(x_bthd, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x_bthd * cos + rotated * sin
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSpec:
+    """The shape and flags of one decoder block (the target's and the drafter's differ only here)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+
+# attend(q [B, T, H, D], k [B, T, K, D], v [B, T, K, D]) -> (out [B, T, H, D], aux): where the keys go and
+# what the queries see (a KV cache, a fixed context) is the caller's business; ``aux`` is passed back.
+Attend = Callable[..., tuple]
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention: projections, optional q/k RMSNorm, RoPE at absolute positions."""
+
+    def __init__(self, spec: BlockSpec, dtype, rngs: nnx.Rngs):
+        d, h, kv, hd = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_proj = linear(d, h * hd, spec.qkv_bias, dtype, rngs)
+        self.k_proj = linear(d, kv * hd, spec.qkv_bias, dtype, rngs)
+        self.v_proj = linear(d, kv * hd, spec.qkv_bias, dtype, rngs)
+        self.o_proj = linear(h * hd, d, spec.o_bias, dtype, rngs)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(hd, spec.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(hd, spec.rms_norm_eps, dtype=dtype)
+        self.spec = spec
+
+    def keys_values(self, x_btd, positions_bt):
+        """Keys (normed when the model has q/k norms, rotated) and values ``[B, T, K, D]`` of ``x``."""
+        spec = self.spec
+        b, t, _ = x_btd.shape
+        k = self.k_proj(x_btd).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+        v = self.v_proj(x_btd).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+        if spec.qk_norm:
+            k = self.k_norm(k)
+        return rope(k, positions_bt, spec.rope_theta), v
+
+    def queries(self, x_btd, positions_bt):
+        spec = self.spec
+        b, t, _ = x_btd.shape
+        q = self.q_proj(x_btd).reshape(b, t, spec.num_heads, spec.head_dim)
+        if spec.qk_norm:
+            q = self.q_norm(q)
+        return rope(q, positions_bt, spec.rope_theta)
+
+    def __call__(self, x_btd, positions_bt, attend: Attend):
+        b, t, _ = x_btd.shape
+        k, v = self.keys_values(x_btd, positions_bt)
+        out, aux = attend(self.queries(x_btd, positions_bt), k, v)
+        return self.o_proj(out.reshape(b, t, -1)), aux
+
+
+class DecoderBlock(nnx.Module):
+    """Pre-norm decoder block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, spec: BlockSpec, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(spec, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, dtype, rngs)
+
+    def __call__(self, x_btd, positions_bt, attend: Attend):
+        attn, aux = self.self_attn(self.input_layernorm(x_btd), positions_bt, attend)
+        x_btd = x_btd + attn
+        return x_btd + self.mlp(self.post_attention_layernorm(x_btd)), aux

@@ -1,0 +1,123 @@
+"""ReTrace: the rejected-suffix buffer and its gated-residual fusion into the next block.
+
+After a round at anchor ``s`` accepts ``a`` proposals, the next round starts at ``s' = s + a + 1``. Its
+slot ``j`` (``1 <= j <= B-2-a``) sits at position ``s + a + 1 + j``, which this round drafted at slot
+``a + 1 + j``; the drafter's state there and the target state that scored it (verify slot ``a + j``) are
+kept for that slot. Before the first drafter layer each valid slot's mask embedding receives
+
+    r_j  = mem_d[j] + beta * W_c [mem_d[j] ; mem_t[j]]
+    e'_j = e_j + valid_j * (W_v r_j) * sigmoid(W_g [e_j ; r_j])
+
+``W_v`` starts at zero, so a new ReTrace module leaves DFlash unchanged. See ``docs/retrace.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from retrace_jax.errors import ConfigError
+from retrace_jax.models.layers import linear
+
+SIGNALS = ("drafter", "target", "both")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReTraceConfig:
+    signals: str = "both"  # which rejected states enter the correction
+    rank: int | None = None  # low-rank factorisation of W_c, W_v, W_g
+    gate: bool = True  # sigmoid gate on the residual
+
+    def __post_init__(self):
+        if self.signals not in SIGNALS:
+            raise ConfigError(f"retrace signals must be one of {SIGNALS}, got {self.signals!r}")
+        if self.rank is not None and self.rank < 1:
+            raise ConfigError(f"retrace rank must be a positive integer or null, got {self.rank!r}")
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any] | None) -> "ReTraceConfig | None":
+        """The ``retrace_config`` object of a drafter ``config.json`` (None when absent or disabled)."""
+        if not hf or not hf.get("enabled", True):
+            return None
+        unknown = set(hf) - {"enabled", "signals", "rank", "gate"}
+        if unknown:
+            raise ConfigError(f"unknown retrace_config keys: {sorted(unknown)}")
+        return cls(signals=hf.get("signals", "both"), rank=hf.get("rank"), gate=bool(hf.get("gate", True)))
+
+    def to_hf(self) -> dict[str, Any]:
+        return {"enabled": True, "signals": self.signals, "rank": self.rank, "gate": self.gate}
+
+
+class Projection(nnx.Module):
+    """``W x`` as one matrix, or as a ``down`` / ``up`` pair of rank ``rank``."""
+
+    def __init__(self, din: int, dout: int, rank: int | None, dtype, rngs: nnx.Rngs, zero: bool = False):
+        if rank is None:
+            self.full = linear(din, dout, False, dtype, rngs)
+            if zero:
+                self.full.kernel[...] = jnp.zeros_like(self.full.kernel[...])
+        else:
+            self.down = linear(din, rank, False, dtype, rngs)
+            self.up = linear(rank, dout, False, dtype, rngs)
+            if zero:
+                self.up.kernel[...] = jnp.zeros_like(self.up.kernel[...])
+        self.rank = rank
+
+    def __call__(self, x):
+        return self.full(x) if self.rank is None else self.up(self.down(x))
+
+
+class ReTraceFusion(nnx.Module):
+    """The correction ``W_c``, value ``W_v`` and gate ``W_g`` of ReTrace."""
+
+    def __init__(self, cfg: ReTraceConfig, d_draft: int, d_target: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d_in = {"drafter": d_draft, "target": d_target, "both": d_draft + d_target}[cfg.signals]
+        self.correct = Projection(d_in, d_draft, cfg.rank, dtype, rngs)
+        self.value = Projection(d_draft, d_draft, cfg.rank, dtype, rngs, zero=True)
+        if cfg.gate:
+            self.gate = Projection(2 * d_draft, d_draft, cfg.rank, dtype, rngs)
+
+    def __call__(self, emb_bkd, memory: "Memory", beta=1.0):
+        """Fuses the memory into the block's input embeddings ``[B, K, d]``."""
+        mem_d = memory.mem_d.astype(emb_bkd.dtype)
+        mem_t = memory.mem_t.astype(emb_bkd.dtype)
+        signal = {"drafter": mem_d, "target": mem_t, "both": jnp.concatenate([mem_d, mem_t], -1)}[self.cfg.signals]
+        base = mem_d if self.cfg.signals != "target" else jnp.zeros_like(mem_d)
+        r = base + beta * self.correct(signal)
+        residual = self.value(r)
+        if self.cfg.gate:
+            residual = residual * jax.nn.sigmoid(self.gate(jnp.concatenate([emb_bkd, r], -1)))
+        return emb_bkd + jnp.where(memory.valid[..., None], residual, 0).astype(emb_bkd.dtype)
+
+
+@struct.dataclass
+class Memory:
+    """The rejected-suffix buffer, one entry per next-block slot."""
+
+    mem_d: jax.Array  # [B, K, d_draft] the drafter's rejected final-norm states
+    mem_t: jax.Array  # [B, K, d_target] the target's states that scored them
+    valid: jax.Array  # [B, K] bool
+
+    @classmethod
+    def empty(cls, batch: int, block_size: int, d_draft: int, d_target: int, dtype):
+        return cls(jnp.zeros((batch, block_size, d_draft), dtype), jnp.zeros((batch, block_size, d_target), dtype),
+                   jnp.zeros((batch, block_size), bool))
+
+
+def shift_memory(draft_hidden_bkd, target_hidden_bkd, accepted_b) -> Memory:
+    """The next round's memory after ``a`` acceptances: slot ``j`` takes drafter slot ``a+1+j`` and
+    verify slot ``a+j``, valid for ``1 <= j <= K-2-a`` (gathers on clipped indices; no gradient)."""
+    k = draft_hidden_bkd.shape[1]
+    j = jnp.arange(k)[None, :]
+    a = accepted_b[:, None]
+    valid = (j >= 1) & (j <= k - 2 - a)
+    idx_d = jnp.clip(a + 1 + j, 0, k - 1)
+    idx_t = jnp.clip(a + j, 0, k - 1)
+    mem_d = jnp.take_along_axis(draft_hidden_bkd, idx_d[..., None], axis=1)
+    mem_t = jnp.take_along_axis(target_hidden_bkd, idx_t[..., None], axis=1)
+    return jax.lax.stop_gradient(Memory(mem_d, mem_t, valid))

@@ -1,0 +1,253 @@
+"""The target model: a Qwen3 / Qwen2 / Llama decoder in Flax NNX with a functional KV-cache forward.
+
+The decoder blocks are stacked (every parameter has a leading layer axis ``L``) and run by one
+``lax.scan``, so a program compiles one block whatever the depth. Shape letters: ``retrace_jax/attention/``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from retrace_jax.attention import FRESH_KERNELS, attention_beside_context, cached_attention, fresh_attention
+from retrace_jax.models.config import ModelConfig
+from retrace_jax.models.kv_cache import KVCache
+from retrace_jax.models.layers import DecoderBlock, RMSNorm, linear
+
+
+def stack_modules(modules: Sequence[nnx.Module]) -> nnx.Module:
+    """One module whose parameters stack those of ``modules`` (same structure) on a leading axis."""
+    graphdef, _ = nnx.split(modules[0])
+    states = [nnx.split(m)[1] for m in modules]
+    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+
+
+class ForwardOutput(NamedTuple):
+    hidden: jax.Array  # [B, T, d] after the final norm (the LM head's input)
+    cache: KVCache  # lengths advanced by T
+    features: jax.Array | None  # [B, T, len(feature_layers) * d]: the chosen layers' features
+
+
+class TargetModel(nnx.Module):
+    """Decoder-only language model. The KV cache lives outside the module and is passed explicitly.
+
+    ``layers`` is one :class:`~retrace_jax.models.layers.DecoderBlock` whose parameters carry a leading
+    layer axis (``layers.self_attn.q_proj.kernel`` is ``[L, d, H*D]``)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed_tokens = nnx.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=dtype,
+            param_dtype=dtype,
+            embedding_init=nnx.initializers.normal(0.02),
+            rngs=rngs,
+        )
+        self.layers = stack_modules([DecoderBlock(cfg.block_spec, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
+
+    @property
+    def dtype(self):
+        return self.embed_tokens.embedding.dtype
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        """An empty cache for ``max_len`` positions per row, in ``dtype`` (default: the model's)."""
+        cfg = self.cfg
+        return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype or self.dtype)
+
+    def embed(self, tokens_bt):
+        return self.embed_tokens(tokens_bt)
+
+    def logits(self, hidden_btd):
+        """LM head (tied to the embedding when the config says so)."""
+        if self.cfg.tie_word_embeddings:
+            return self.embed_tokens.attend(hidden_btd)
+        return self.lm_head(hidden_btd)
+
+    def head_weight(self):
+        """The LM head's weight ``[V, d]`` (the embedding when tied)."""
+        if self.cfg.tie_word_embeddings:
+            return self.embed_tokens.embedding[...]
+        return self.lm_head.kernel[...].T
+
+    def layer_slices(self) -> list:
+        """The stacked blocks' parameters sliced into one pytree per layer (copies, on CPU)."""
+        _, params = nnx.split(self.layers)
+        return [jax.tree.map(lambda a, i=i: _layer_of(a, i), params) for i in range(self.cfg.num_layers)]
+
+    def unroll_layers(self, slices: list | None = None) -> "TargetModel":
+        """Slices the stacked blocks into separate per-layer arrays, once (call it inside a jitted program
+        before its decode loop), or takes ``slices`` made earlier by :meth:`layer_slices`: later calls
+        then run a Python loop over them instead of a ``lax.scan``.
+
+        A scan slices each layer's weights out of the stacked arrays at every step, and on CPU that slice
+        is a copy, which made batch-1 decoding of SmolLM2-135M (memory-bound) 1.6x slower; the unrolled
+        loop avoids it at the price of a second copy of the layer weights and an XLA compile time that
+        grows with depth (JAX traces the block once: see :meth:`run_layers`). ``generate(layer_loop="unrolled")`` uses it with the copies that
+        :func:`per_layer_weights` keeps beside the target, so that its programs slice nothing (its prefill
+        still scans: see :func:`prefill`)."""
+        object.__setattr__(self, "_per_layer", self.layer_slices() if slices is None else list(slices))
+        return self
+
+    def run_layers(self, x_btd, positions_bt, attend_at, carry, feature_layers: Sequence[int] = (),
+                   scan_layers: bool = False):
+        """Runs the stacked blocks with one ``lax.scan`` (or a Python loop after :meth:`unroll_layers`,
+        unless ``scan_layers``).
+
+        ``attend_at(layer, carry)`` returns the block's ``attend`` function for that layer (``layer`` is
+        traced); its ``aux`` output is the next ``carry`` (the KV cache, or None). Returns the last
+        block's output, the final carry and the features ``[B, T, n * d]`` of ``feature_layers``: the
+        output of layer ``i`` (``hidden_states[i + 1]`` in transformers' terms, so the last layer's
+        feature is the final-norm state, as transformers and the official DFlash code have it)."""
+        num_layers = self.cfg.num_layers
+        bad = [i for i in feature_layers if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(f"feature layers {bad} outside 0..{num_layers - 1}")
+        kept = sorted(set(feature_layers) - {num_layers - 1})
+        slot_of = jnp.asarray([kept.index(i) if i in kept else len(kept) for i in range(num_layers)], jnp.int32)
+        feats = jnp.zeros((len(kept) + 1,) + x_btd.shape, x_btd.dtype) if kept else None
+        graphdef, params = nnx.split(self.layers)
+
+        def body(state, xs):
+            x, carry, feats = state
+            layer_params, layer = xs
+            x, carry = nnx.merge(graphdef, layer_params)(x, positions_bt, attend_at(layer, carry))
+            if feats is not None:  # the unused last slot takes the layers nobody asked for
+                feats = jax.lax.dynamic_update_index_in_dim(feats, x, slot_of[layer], 0)
+            return (x, carry, feats), None
+
+        per_layer = None if scan_layers else getattr(self, "_per_layer", None)
+        if per_layer is None:
+            (x, carry, feats), _ = jax.lax.scan(body, (x_btd, carry, feats), (params, jnp.arange(num_layers)))
+        else:  # separate arrays per layer (see unroll_layers): a Python loop, no weight slicing per call
+            # Under a trace the block is one jitted function called once per layer: JAX traces and lowers
+            # it once (same shapes; the layer index is an argument), and XLA inlines the calls. For the
+            # demo's 30 layers this cut tracing plus lowering from about 2.1 to 0.8 s and XLA's compile
+            # time from 10-11 to 7.2-7.4 s, with the same tokens and, within this machine's noise, the same
+            # speed (docs/performance.md).
+            traced = isinstance(x_btd, jax.core.Tracer)
+            step = jax.jit(body) if traced else body
+            state = (x_btd, carry, feats)
+            for i, layer_params in enumerate(per_layer):
+                state, _ = step(state, (layer_params, jnp.int32(i) if traced else i))
+            x, carry, feats = state
+        hidden = self.norm(x)
+        if not feature_layers:
+            return hidden, carry, None
+        features = [hidden if i == num_layers - 1 else feats[kept.index(i)] for i in feature_layers]
+        return hidden, carry, jnp.concatenate(features, -1)
+
+    def __call__(self, tokens_bt, cache: KVCache, *, feature_layers: Sequence[int] = (),
+                 attention: str = "auto", scan_layers: bool = False, fresh: bool = False) -> ForwardOutput:
+        """Runs ``T`` new tokens per row at positions ``cache.lengths[b] + 0..T-1``.
+
+        Each layer writes the new keys/values at those slots, then each query attends to the slots up to
+        and including its own position: entries past a row's length are stale until overwritten here
+        and are never read. ``feature_layers`` (static) selects layers whose features are returned
+        concatenated; ``attention`` picks the implementation (see ``retrace_jax/attention/``);
+        ``scan_layers`` runs the layers as one scan even after :meth:`unroll_layers`. ``fresh`` promises
+        that the cache holds nothing yet (a prefill), so that ``attention="cudnn"`` or ``"pallas_tpu"`` can
+        attend over the new tokens alone (:func:`~retrace_jax.attention.fresh_attention`)."""
+        t = tokens_bt.shape[1]
+        positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+        offsets = cache.lengths
+
+        def attend_at(layer, cache):
+            def attend(q, k, v):
+                cache_ = cache.write(layer, k, v, offsets)
+                if fresh and attention in FRESH_KERNELS:
+                    return fresh_attention(q, k, v, attention), cache_
+                return cached_attention(q, cache_.k, cache_.v, layer, positions + 1, implementation=attention), cache_
+
+            return attend
+
+        hidden, cache, features = self.run_layers(self.embed(tokens_bt), positions, attend_at, cache, feature_layers,
+                                                  scan_layers)
+        return ForwardOutput(hidden, cache.replace(lengths=cache.lengths + t), features)
+
+
+LAYER_LOOPS = ("auto", "scan", "unrolled")
+
+
+def resolve_layer_loop(layer_loop: str = "auto") -> str:
+    """``"auto"``: "unrolled" on CPU (a scan copies each layer's weights at every step there; measured
+    1.6x slower batch-1 decoding of SmolLM2-135M), "scan" on GPU and TPU (compile time independent of
+    depth)."""
+    if layer_loop not in LAYER_LOOPS:
+        raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
+    if layer_loop == "auto":
+        return "unrolled" if jax.default_backend() == "cpu" else "scan"
+    return layer_loop
+
+
+def merge_target(graphdef, state, layer_loop: str = "auto", slices: list | None = None) -> TargetModel:
+    """``nnx.merge`` for the decode programs; an unrolled layer loop slices the layers once up front
+    (or uses ``slices`` from :meth:`TargetModel.layer_slices`)."""
+    model = nnx.merge(graphdef, state)
+    return model.unroll_layers(slices) if resolve_layer_loop(layer_loop) == "unrolled" else model
+
+
+_PER_LAYER = weakref.WeakKeyDictionary()  # target -> (its stacked layer arrays, per-layer copies of them)
+
+
+@jax.jit
+def _layer_of(stacked, layer):
+    """Layer ``layer`` of a stacked weight: called eagerly, one small program per weight shape whatever
+    the layer; inside a jitted program, a slice."""
+    return jax.lax.dynamic_index_in_dim(stacked, layer, keepdims=False)
+
+
+def per_layer_weights(target: TargetModel, layer_loop: str = "auto") -> list | None:
+    """The target's layers as separate per-layer arrays for an unrolled program (``None`` for a scan),
+    made once and kept beside the stacked ones while ``target`` lives: a second copy of the layer
+    weights, which an unrolled program would otherwise slice out at every call (one copy of the weights
+    per call, and one compiled slice per layer and weight, several seconds of compile time for a
+    30-layer model). The copies are remade when the target's layer arrays change (JAX arrays are
+    immutable, so new weights are new arrays)."""
+    if resolve_layer_loop(layer_loop) != "unrolled":
+        return None
+    leaves = jax.tree.leaves(nnx.split(target.layers)[1])
+    kept = _PER_LAYER.get(target)
+    if kept is not None and len(kept[0]) == len(leaves) and all(a is b for a, b in zip(kept[0], leaves)):
+        return kept[1]
+    slices = target.layer_slices()
+    _PER_LAYER[target] = (tuple(leaves), slices)
+    return slices
+
+
+def forward_beside_context(model: TargetModel, tokens_bt, positions_bt, ctx: KVCache, mask_bt_st):
+    """Final-norm hidden states of tokens that attend to a fixed context cache (e.g. a teacher-forced
+    sequence) and, as ``mask`` says, to each other; nothing is written to the cache. Training uses it to
+    verify many drafted blocks of one sequence in one pass."""
+
+    def attend_at(layer, carry):
+        def attend(q, k, v):
+            ctx_k = jax.lax.dynamic_index_in_dim(ctx.k, layer, 0, keepdims=False)
+            ctx_v = jax.lax.dynamic_index_in_dim(ctx.v, layer, 0, keepdims=False)
+            return attention_beside_context(q, k, v, ctx_k, ctx_v, mask_bt_st), carry
+
+        return attend
+
+    hidden, _, _ = model.run_layers(model.embed(tokens_bt), positions_bt, attend_at, None)
+    return hidden
+
+
+def prefill(model: TargetModel, tokens_bp, prompt_lens_b, cache: KVCache, feature_layers=(), attention="auto"):
+    """Runs right-padded prompts; returns the logits at each row's last prompt token, the cache with
+    lengths set to the prompt lengths, and the features of all prompt positions (or None). The cache
+    must be empty (its lengths 0), as the decode programs make it.
+
+    The layers always run as one ``lax.scan`` here, also in an unrolled program: the prefill runs once
+    per call, so slicing each layer's weights inside the scan costs one copy of the weights per call,
+    which is small next to a prompt's compute, and the program compiles the prefill's layer once instead
+    of once per layer (the decode steps, which run the weights once per token, stay unrolled)."""
+    out = model(tokens_bp, cache, feature_layers=feature_layers, attention=attention, scan_layers=True, fresh=True)
+    last_bd = jnp.take_along_axis(out.hidden, (prompt_lens_b - 1)[:, None, None], axis=1)[:, 0]
+    return model.logits(last_bd), out.cache.replace(lengths=prompt_lens_b), out.features

@@ -1,0 +1,177 @@
+"""The DFlash training objective: many anchored blocks per sequence, each drafted in one pass.
+
+Block ``i`` is ``[x[anchor_i], MASK, ...]`` at positions ``anchor_i + 0..B-1``. It sees the target
+features of positions strictly before its anchor and its own block (bidirectionally), never another
+block. Slot ``k`` is labelled ``x[anchor_i + k]``; loss weights ``exp(-(k-1)/gamma)`` times the loss mask.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from retrace_jax.models.draft_vocab import DraftHead, draft_head, head_logits, to_draft_index, to_target_ids
+from retrace_jax.models.drafter import DFlashDrafter
+from retrace_jax.models.target import TargetModel
+
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """The published loss-decay constants (7 for B=16, 5 for B=10, 4 for B=8), else B/2 - 1."""
+    return DEFAULT_GAMMA.get(block_size, max(1.0, block_size / 2 - 1))
+
+
+def sample_anchors(key, loss_mask_bs, num_anchors: int, block_size: int):
+    """Up to ``num_anchors`` distinct anchors per row among response positions ``p <= S - block_size``.
+
+    Returns ``anchors [B, A]`` (sorted) and ``valid [B, A]`` (False where a row has fewer candidates).
+    """
+    b, s = loss_mask_bs.shape
+    pos = jnp.arange(s)
+    candidate = loss_mask_bs.astype(bool) & (pos <= s - block_size)[None, :]
+    scores = jnp.where(candidate, jax.random.uniform(key, (b, s)), -1.0)
+    top, idx = jax.lax.top_k(scores, num_anchors)
+    valid = top >= 0.0
+    order = jnp.argsort(jnp.where(valid, idx, s), axis=1)
+    return jnp.take_along_axis(idx, order, 1).astype(jnp.int32), jnp.take_along_axis(valid, order, 1)
+
+
+class BlockBatch(NamedTuple):
+    tokens_bak: jax.Array  # [B, A, K] block inputs: x[anchor], then MASK
+    positions_bak: jax.Array  # [B, A, K]
+    labels_bak: jax.Array  # [B, A, K] x[anchor + k]
+    weights_bak: jax.Array  # [B, A, K] loss weight (0 for slot 0, padding and non-response labels)
+    mask_bt_st: jax.Array  # [B, A*K, S + A*K] attention visibility
+
+
+def build_blocks(tokens_bs, loss_mask_bs, anchors_ba, valid_ba, block_size: int, mask_token_id: int,
+                 gamma: float) -> BlockBatch:
+    b, s = tokens_bs.shape
+    a = anchors_ba.shape[1]
+    k = jnp.arange(block_size)
+    positions = anchors_ba[:, :, None] + k  # [B, A, K]
+    inside = positions < s
+    safe = jnp.minimum(positions, s - 1).reshape(b, -1)
+    labels = jnp.take_along_axis(tokens_bs, safe, 1).reshape(b, a, block_size)
+    label_mask = jnp.take_along_axis(loss_mask_bs, safe, 1).reshape(b, a, block_size).astype(bool)
+    slot_weight = jnp.where(k >= 1, jnp.exp(-(k - 1.0) / gamma), 0.0)
+    weights = slot_weight * (inside & label_mask & valid_ba[:, :, None])
+    inputs = jnp.where(k == 0, labels, mask_token_id)
+    return BlockBatch(inputs, positions, labels, weights, block_visibility(anchors_ba, s, block_size, causal=False))
+
+
+def block_visibility(anchors_ba, seq_len: int, block_size: int, causal: bool):
+    """``[B, A*K, S + A*K]``: each block slot sees the sequence strictly before its block's anchor and
+    its own block (all of it, or with ``causal`` only the slots up to itself), never another block."""
+    b, a = anchors_ba.shape
+    t = a * block_size
+    anchor_t = jnp.repeat(anchors_ba, block_size, axis=1)  # [B, T]
+    ctx = jnp.arange(seq_len)[None, None, :] < anchor_t[:, :, None]  # [B, T, S]
+    block_id = jnp.repeat(jnp.arange(a), block_size)
+    own = block_id[:, None] == block_id[None, :]
+    if causal:
+        slot = jnp.tile(jnp.arange(block_size), a)
+        own = own & (slot[None, :] <= slot[:, None])
+    return jnp.concatenate([ctx, jnp.broadcast_to(own, (b, t, t))], axis=-1)
+
+
+TRAIN_MESH: contextvars.ContextVar = contextvars.ContextVar("retrace_jax_train_mesh", default=None)
+
+
+def batch_sharded(x):
+    """Keeps an activation's leading batch dimension on the mesh's batch axes while a train step is traced
+    with ``TRAIN_MESH`` set (otherwise unchanged). Without it, XLA may gather activations to match
+    weights sharded over ``fsdp`` instead of gathering the weights."""
+    mesh = TRAIN_MESH.get()
+    if mesh is None:
+        return x
+    axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
+    if not axes or x.shape[0] % math.prod(mesh.shape[a] for a in axes):
+        return x
+    spec = jax.sharding.PartitionSpec(axes, *([None] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
+
+
+def target_features(target: TargetModel, tokens_bs, layer_ids):
+    """The frozen target's features of every position (no gradient)."""
+    b, s = tokens_bs.shape
+    out = target(tokens_bs, target.init_cache(b, s), feature_layers=tuple(layer_ids))
+    return batch_sharded(jax.lax.stop_gradient(out.features))
+
+
+def sequence_context(drafter: DFlashDrafter, features_bsf):
+    """The drafter's per-layer context keys/values of every sequence position."""
+    b, s, _ = features_bsf.shape
+    return drafter.context_kv(features_bsf, jnp.broadcast_to(jnp.arange(s), (b, s)))
+
+
+def draft_blocks(drafter: DFlashDrafter, target: TargetModel, ctx_kv, blocks: BlockBatch, memory=None, beta=1.0,
+                 remat=False):
+    """Drafter final-norm hidden states of every block slot ``[B, A, K, d]`` (a ReTrace ``memory``
+    ``[B, A*K, ...]`` is fused into the block embeddings first)."""
+    b, a, k = blocks.tokens_bak.shape
+    emb = batch_sharded(target.embed(blocks.tokens_bak.reshape(b, a * k)).astype(drafter.dtype))
+    if memory is not None:
+        emb = batch_sharded(drafter.retrace(emb, memory, beta))
+    hidden = drafter.forward(emb, blocks.positions_bak.reshape(b, a * k), ctx_kv, blocks.mask_bt_st, remat=remat)
+    return batch_sharded(hidden).reshape(b, a, k, -1)
+
+
+class LossMetrics(NamedTuple):
+    loss: jax.Array
+    slot_accuracy: jax.Array  # [K]: top-1 accuracy per block slot (slot 0 is the given token)
+    tau: jax.Array  # mean over blocks of 1 + leading correct slots: the acceptance length they imply
+
+
+def slot_loss(logits_bajv, labels_baj, weights_baj) -> LossMetrics:
+    """Loss and metrics of the drafted slots ``1..K-1`` of each block (``J = K - 1``; the given slot 0
+    has no loss). A label ``-1`` is a token outside the draft vocabulary: its slot counts as wrong and
+    adds no loss (no logit can score it)."""
+    learnable = labels_baj >= 0
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits_bajv.astype(jnp.float32),
+                                                         jnp.maximum(labels_baj, 0))
+    w = weights_baj
+    loss = jnp.sum(ce * w * learnable) / jnp.maximum(jnp.sum(w * learnable), 1e-6)
+    counted = w > 0
+    correct = (jnp.argmax(logits_bajv, -1) == labels_baj) & counted
+    slot_acc = jnp.sum(correct, (0, 1)) / jnp.maximum(jnp.sum(counted, (0, 1)), 1)
+    # Leading run of correct slots (a slot without a label ends the run).
+    lead = jnp.sum(jnp.cumprod(correct.astype(jnp.int32), axis=-1), -1)
+    block_valid = counted[:, :, 0]
+    tau = jnp.sum((1 + lead) * block_valid) / jnp.maximum(jnp.sum(block_valid), 1)
+    return LossMetrics(loss, jnp.concatenate([jnp.zeros((1,), slot_acc.dtype), slot_acc]), tau)
+
+
+def block_loss(logits_bakv, blocks: BlockBatch) -> LossMetrics:
+    """:func:`slot_loss` of full-vocabulary logits of every slot (slot 0 included and ignored)."""
+    return slot_loss(logits_bakv[:, :, 1:], blocks.labels_bak[:, :, 1:], blocks.weights_bak[:, :, 1:])
+
+
+def score_blocks(target: TargetModel, head: DraftHead | None, hidden_bakd, blocks: BlockBatch):
+    """The loss metrics of drafted blocks and their proposals ``[B, A, K-1]`` (the argmax of each slot, as
+    target token ids). The LM head runs on the drafted slots only, over the draft vocabulary of ``head``
+    (:func:`~retrace_jax.models.draft_vocab.draft_head`; None: the whole vocabulary)."""
+    logits = batch_sharded(head_logits(target, head, hidden_bakd[:, :, 1:]))
+    labels = to_draft_index(head, blocks.labels_bak[:, :, 1:], target.cfg.vocab_size)
+    metrics = slot_loss(logits, labels, blocks.weights_bak[:, :, 1:])
+    return metrics, to_target_ids(head, jnp.argmax(logits, -1).astype(jnp.int32))
+
+
+def dflash_loss(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss_mask_bs, anchors_ba, valid_ba,
+                gamma: float | None = None, remat: bool = False, features_bsf=None) -> LossMetrics:
+    """The DFlash loss; the target features are computed here unless precomputed ones are given."""
+    cfg = drafter.cfg
+    gamma = default_gamma(cfg.block_size) if gamma is None else gamma
+    blocks = build_blocks(tokens_bs, loss_mask_bs, anchors_ba, valid_ba, cfg.block_size, cfg.mask_token_id, gamma)
+    if features_bsf is None:
+        features = target_features(target, tokens_bs, cfg.target_layer_ids)
+    else:
+        features = jax.lax.stop_gradient(features_bsf)
+    hidden = draft_blocks(drafter, target, sequence_context(drafter, features), blocks, remat=remat)
+    return score_blocks(target, draft_head(target, drafter), hidden, blocks)[0]

@@ -1,0 +1,129 @@
+"""Evaluation, export and metric logging for the training loop: τ with real speculative generation on
+held-out prompts, the drafter export (gathered to process 0), the DFlash feature cache, and the metric
+records written to ``metrics.jsonl`` and (optionally) TensorBoard event files."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import jax
+import numpy as np
+from flax import nnx
+
+from retrace_jax.decoding.generation import generate
+from retrace_jax.errors import ConfigError
+from retrace_jax.io.checkpoints import save_drafter
+from retrace_jax.parallel.distributed import barrier
+from retrace_jax.training.data import SequenceData
+from retrace_jax.training.dflash_loss import target_features
+from retrace_jax.training.feature_store import FeatureStore, store_key
+
+
+def evaluate(target, drafter, eval_ids, max_new_tokens: int, mesh, step: int) -> dict:
+    """Real speculative generation on the held-out prompts: τ of the current drafter (every process
+    calls this when the mesh spans processes)."""
+    if isinstance(max_new_tokens, dict) or hasattr(max_new_tokens, "eval_max_new_tokens"):  # the old signature
+        max_new_tokens = max_new_tokens["eval_max_new_tokens"]
+    out = generate(target, eval_ids, max_new_tokens, drafter=drafter, mesh=mesh)
+    return {"event": "eval", "step": step, "eval_tau": round(out.tau(), 4), "eval_tau_pooled": round(out.tau_pooled(), 4)}
+
+
+def gathered(module):
+    """The module with every parameter as a host array holding the whole value (all processes call it)."""
+    if jax.process_count() == 1:
+        return module
+    from jax.experimental import multihost_utils
+
+    graphdef, state = nnx.split(module)
+    return nnx.merge(graphdef, multihost_utils.process_allgather(state, tiled=True))
+
+
+def export_drafter(drafter, path: str) -> str:
+    """Writes the drafter in the official layout from process 0, after checking every weight is finite."""
+    host = gathered(drafter)
+    if jax.process_index() == 0:
+        bad = [".".join(map(str, p)) for p, v in nnx.to_flat_state(nnx.state(host))
+               if not np.all(np.isfinite(np.asarray(jax.device_get(v.get_value()), np.float32)))]
+        if bad:
+            raise FloatingPointError(f"not exporting {path}: non-finite weights in {', '.join(bad[:5])}")
+        save_drafter(host, path)
+    barrier("retrace_jax.export")
+    return path
+
+
+FEATURE_CACHE_LIMIT = 16 << 30  # kept for earlier callers: the feature cache is on disk now (feature_store.py)
+
+
+def cached_features(target, layer_ids, data: SequenceData, batch_size: int, log, store_root: str,
+                    target_id: str = "") -> FeatureStore:
+    """The frozen target's features of every sequence, computed once into a :class:`FeatureStore` under
+    ``store_root`` (the prepared data's directory; one process) and reused by later runs. ``target_id``
+    (the target's path) is part of the store's key."""
+    width = len(layer_ids) * target.cfg.hidden_size
+    key = store_key(target_id, layer_ids, data.seq_len, target.dtype, len(data))
+    store = FeatureStore(store_root, key, [len(t) for t in data.tokens], width)
+    if store.done < len(data):
+        free = shutil.disk_usage(store_root).free
+        if not os.path.exists(store.dir) and store.nbytes > free:
+            raise ConfigError(f"train.feature_cache needs {store.nbytes / 2**30:.1f} GiB in {store_root}, "
+                                     f"which has {free / 2**30:.1f} GiB free; compute features online instead")
+    graphdef, state = nnx.split(target)
+    fn = jax.jit(lambda st, tokens: target_features(nnx.merge(graphdef, st), tokens, tuple(layer_ids)))
+    return store.build(lambda tokens: jax.device_get(fn(state, tokens)), lambda idx: data.rows(idx)[0], batch_size,
+                       log)
+
+
+class MetricsLog:
+    """The ``log`` callable of a run: prints each record as a JSON line and, on process 0, appends it to
+    ``{out}/metrics.jsonl`` and writes its numbers as TensorBoard scalars to ``{out}/tensorboard``
+    (``tensorboard``: true, false, or auto = when tensorboardX is installed). Other processes print
+    only (prefixed with their index) so that one file holds the run. ``out=None`` prints only, leaving a
+    run's files alone (``train.py --stage export``)."""
+
+    def __init__(self, out: str | None, tensorboard: bool | str = "auto", echo: bool = True):
+        self.echo, self.metrics, self.writer, self._open_writer = echo, None, None, None
+        self.process = jax.process_index()
+        if self.process != 0 or out is None:
+            return
+        os.makedirs(out, exist_ok=True)
+        self.metrics = open(os.path.join(out, "metrics.jsonl"), "a")
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:
+                if tensorboard is True:
+                    self.close()
+                    raise ConfigError("train.tensorboard is true but tensorboardX is not installed: "
+                                             "pip install 'retrace-jax[tensorboard]'") from None
+                return
+            # opened with the first record, so that a run refused at start leaves no empty event file
+            self._open_writer = lambda: SummaryWriter(logdir=os.path.join(out, "tensorboard"))
+
+    def __call__(self, record: dict) -> None:
+        line = json.dumps(record)
+        if self.echo:
+            print(line if self.process == 0 else f"[process {self.process}] {line}", flush=True)
+        if self.metrics is None:
+            return
+        self.metrics.write(line + "\n")
+        self.metrics.flush()
+        if self._open_writer is not None and "step" in record and record.get("event", "eval") == "eval":
+            if self.writer is None:
+                self.writer = self._open_writer()
+            group = "eval" if record.get("event") == "eval" else "train"
+            for key, value in record.items():
+                if key not in ("step", "event") and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                        and math.isfinite(value):
+                    self.writer.add_scalar(f"{group}/{key}", value, record["step"])
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        if self.writer is not None:
+            self.writer.close()
+        self.writer, self._open_writer = None, None

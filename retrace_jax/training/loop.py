@@ -1,0 +1,347 @@
+"""The training loop behind ``train.py``: a mesh over every device of every process, sharded jitted
+steps on global batches, Orbax checkpoints with exact resume, periodic τ evaluation and the export.
+
+The run is a pure function of its settings and the prepared data: batch ``step`` is drawn from the
+whole data set by ``(seed, step)`` and each process builds only the rows its devices hold, so one
+process with 8 devices and two with 4 each train on the same batches and give the same result. Every
+process runs this same loop (one command on every host).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import signal
+import threading
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from retrace_jax.errors import ConfigError
+from retrace_jax.io.checkpoints import load_drafter
+from retrace_jax.models.draft_vocab import coverage, frequent_tokens, token_counts
+from retrace_jax.models.drafter import (
+    check_drafter_matches,
+    init_drafter,
+    init_layers_from_target,
+    with_draft_vocab,
+)
+from retrace_jax.models.retrace import ReTraceConfig
+from retrace_jax.parallel.distributed import agree_any, initialize
+from retrace_jax.parallel.placement import shard_model
+from retrace_jax.parallel.sharding import batch_sharding, make_mesh
+from retrace_jax.training.checkpoints import Checkpoints, settings_differences
+from retrace_jax.training.config import TrainConfig, as_config
+from retrace_jax.training.data import SequenceData
+from retrace_jax.training.evaluate import cached_features, evaluate, export_drafter
+from retrace_jax.training.prepare import build_target
+from retrace_jax.training.retrace_loss import loss_weights
+from retrace_jax.training.step import StepOptions, adamw, init_opt_state, make_train_step
+
+
+class TrainingDiverged(FloatingPointError):
+    """A non-finite loss or gradient: training stopped, the last good checkpoint is kept."""
+
+
+def maybe_initialize_distributed(setting) -> None:
+    """Kept for earlier callers: see :func:`retrace_jax.parallel.distributed.initialize`."""
+    initialize(setting)
+
+
+def build_drafter(cfg, target, mesh, data: SequenceData | None = None, log=None):
+    """The drafter to train: a new one, or ``drafter.init`` loaded. A new drafter with ``drafter.draft_vocab``
+    gets the most frequent response tokens of ``data`` (over the shards of every process)."""
+    cfg = as_config(cfg)
+    t, dc = cfg.train, cfg.drafter
+    retrace = ReTraceConfig(**cfg.retrace.to_dict()) if t.objective == "retrace" else None
+    if dc.init:
+        drafter = load_drafter(dc.init, target, retrace=retrace, mesh=mesh)
+    else:
+        mask_id = dc.mask_token_id if dc.mask_token_id is not None else target.cfg.vocab_size - 1
+        drafter = init_drafter(target.cfg, mask_token_id=mask_id, num_layers=dc.num_layers, block_size=dc.block_size,
+                               target_layer_ids=dc.target_layer_ids, intermediate_size=dc.intermediate_size,
+                               retrace=retrace, seed=t.seed)
+        check_drafter_matches(drafter.cfg, target.cfg)
+        if dc.init_layers is not None:
+            try:
+                drafter = init_layers_from_target(drafter, target, dc.init_layers)
+            except ValueError as err:
+                raise ConfigError(f"drafter.init_layers: {err}") from None
+        if mesh is not None:
+            drafter = shard_model(drafter, mesh)
+        if dc.draft_vocab is not None:
+            if data is None:
+                raise ConfigError("drafter.draft_vocab needs the prepared data to count tokens in")
+            counts = token_counts(data.tokens, data.mask, target.cfg.vocab_size)
+            if jax.process_count() > 1:  # every process chooses from the counts of all shards
+                from jax.experimental import multihost_utils
+
+                counts = np.asarray(multihost_utils.process_allgather(counts)).sum(0)
+            if dc.draft_vocab > target.cfg.vocab_size:
+                raise ConfigError(f"drafter.draft_vocab {dc.draft_vocab} exceeds the target's vocabulary "
+                                         f"({target.cfg.vocab_size})")
+            drafter = with_draft_vocab(drafter, frequent_tokens(counts, dc.draft_vocab))
+            if log is not None:
+                log({"event": "draft_vocab", "size": drafter.cfg.draft_vocab_size,
+                     "coverage": round(coverage(counts, drafter.draft_vocab.get_value()), 6)})
+    if dc.init and dc.draft_vocab is not None and drafter.cfg.draft_vocab_size != dc.draft_vocab:
+        raise ConfigError(f"drafter.draft_vocab is {dc.draft_vocab}, but {dc.init} drafts over "
+                                 f"{drafter.cfg.draft_vocab_size or 'the whole vocabulary'}; a drafter keeps its "
+                                 f"draft vocabulary (set drafter.draft_vocab to null or to its size)")
+    if t.objective == "retrace" and drafter.cfg.retrace is None:
+        raise ConfigError("objective retrace needs a ReTrace drafter")
+    if t.objective == "dflash" and drafter.cfg.retrace is not None:
+        raise ConfigError(f"{dc.init} is a ReTrace drafter: train it with objective retrace (objective "
+                                 f"dflash would leave its ReTrace module untrained)")
+    seq_room = t.seq_len - drafter.cfg.block_size + 1
+    if t.num_anchors > seq_room:
+        raise ConfigError(f"train.num_anchors {t.num_anchors} exceeds the {max(seq_room, 0)} anchor "
+                                 f"positions of a {t.seq_len}-token sequence with block size {drafter.cfg.block_size}")
+    return drafter
+
+
+def step_options(cfg: TrainConfig) -> StepOptions:
+    t = cfg.train
+    return StepOptions(objective=t.objective, num_anchors=t.num_anchors, gamma=t.gamma, round1_weight=t.round1_weight,
+                       correction_source=t.correction_source, beta_warmup_steps=t.beta_warmup_steps,
+                       compute_dtype=t.compute_dtype, remat=t.remat, grad_accum=t.grad_accum,
+                       memory_dtype=t.memory_dtype, rounds=t.rounds,
+                       round_weights=None if t.round_weights is None else tuple(t.round_weights))
+
+
+def optimizer_for(cfg: TrainConfig):
+    t = cfg.train
+    return adamw(t.lr, t.steps, t.warmup_frac, t.weight_decay, t.clip, t.grad_accum)
+
+
+def run_settings(cfg: TrainConfig, drafter, num_sequences: int) -> dict:
+    """What an exact resume must share with the run that wrote the checkpoint. (The mesh, the process
+    count, remat, logging and checkpoint intervals may change.) ``drafter``: the drafter (or, as before,
+    its config)."""
+    t = cfg.train
+    drafter_cfg = getattr(drafter, "cfg", drafter)
+    vocab = getattr(drafter, "draft_vocab", None)
+    weights, retrace = loss_weights(t.rounds, t.round_weights, t.round1_weight), t.objective == "retrace"
+    return {
+        "seed": t.seed, "objective": t.objective, "batch_size": t.batch_size, "seq_len": t.seq_len, "steps": t.steps,
+        "grad_accum": t.grad_accum, "num_anchors": t.num_anchors, "lr": t.lr, "warmup_frac": t.warmup_frac,
+        "weight_decay": t.weight_decay, "clip": t.clip, "gamma": t.gamma, "round1_weight": weights[0],
+        "rounds": t.rounds if retrace else None, "round_weights": list(weights) if retrace else None,
+        "correction_source": t.correction_source, "beta_warmup_steps": t.beta_warmup_steps,
+        "compute_dtype": t.compute_dtype, "memory_dtype": t.memory_dtype, "block_size": drafter_cfg.block_size,
+        "num_layers": drafter_cfg.num_layers, "target_layer_ids": list(drafter_cfg.target_layer_ids),
+        "mask_token_id": drafter_cfg.mask_token_id,
+        "retrace": drafter_cfg.retrace.to_hf() if drafter_cfg.retrace is not None else None,
+        "num_sequences": num_sequences,
+        # A draft vocabulary by its digest (None: the whole vocabulary; absent from older checkpoints).
+        "draft_vocab": None if vocab is None else hashlib.sha256(
+            np.asarray(jax.device_get(vocab.get_value()), np.int32).tobytes()).hexdigest()[:16],
+    }
+
+
+def check_resume(ckpts: Checkpoints, step: int, settings: dict, out: str) -> None:
+    """Refuses, before anything is restored, to resume a checkpoint written with other settings."""
+    saved = ckpts.read_meta(step)
+    if saved.get("objective") == "retrace" and "rounds" not in saved:  # written before K rounds: two rounds
+        saved = {**saved, "rounds": 2}
+    diff = settings_differences(saved, settings)
+    if diff:
+        listed = "; ".join(f"{k}: {a!r} then, {b!r} now" for k, a, b in ((k, *v) for k, v in diff.items()))
+        raise ConfigError(f"{out}/checkpoints/{step} was written with other settings ({listed}); an exact "
+                                 f"resume needs the same ones: restore them, or train into a new out directory")
+
+
+def global_batch(data: SequenceData, step: int, batch_size: int, seed: int, mesh, features=None):
+    """The arrays of batch ``step``, sharded over the data axes; each process fills only its own rows."""
+    idx = data.indices(step, batch_size, seed)
+    tokens, mask, lengths = data.rows(idx)
+    host = [tokens, mask] + ([features[idx]] if features is not None else [])
+    arrays = [jax.make_array_from_callback(x.shape, batch_sharding(mesh, x.ndim), lambda i, x=x: x[i]) for x in host]
+    return arrays, int(lengths.sum())
+
+
+def host_value(x) -> np.ndarray:
+    """A replicated value (a metric) as a host array, on any process."""
+    if not getattr(x, "is_fully_addressable", True):
+        x = x.addressable_data(0)
+    return np.asarray(jax.device_get(x))
+
+
+class _Stop:
+    """Set by SIGTERM: the loop saves a checkpoint and returns."""
+
+    requested = False
+
+    def __call__(self, signum, frame):
+        self.requested = True
+
+
+class _Setup(NamedTuple):
+    """What training and exporting both build from a configuration."""
+    mesh: jax.sharding.Mesh
+    target: object
+    data: SequenceData
+    drafter: object
+    settings: dict  # run_settings: what a checkpoint of this run must have been written with
+
+
+def _setup(cfg: TrainConfig, log) -> _Setup:
+    t = cfg.train
+    initialize(t.distributed)
+    mesh = make_mesh(t.mesh)
+    data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
+    if t.batch_size % data_parallel:
+        raise ConfigError(f"train.batch_size {t.batch_size} must divide over the data axes of mesh "
+                                 f"{dict(mesh.shape)} ({data_parallel})")
+    if t.feature_cache and jax.process_count() > 1:
+        raise ConfigError("train.feature_cache serves single-process runs; with several processes the "
+                                 "features are computed in the step")
+    target, _ = build_target(cfg, mesh)
+    data = SequenceData(cfg.data_dir, t.seq_len)
+    drafter = build_drafter(cfg, target, mesh, data, log)
+    return _Setup(mesh, target, data, drafter, run_settings(cfg, drafter, len(data)))
+
+
+def _trainable(cfg: TrainConfig, drafter, mesh):
+    """The drafter split into its graph, its trained parameters and its fixed state (a draft vocabulary),
+    with the optimizer and a fresh optimizer state (the structure a checkpoint restores into)."""
+    optimizer = optimizer_for(cfg)
+    drafter_def, drafter_state, fixed = nnx.split(drafter, nnx.Param, ...)
+    return optimizer, drafter_def, drafter_state, fixed, init_opt_state(optimizer, drafter_state, mesh)
+
+
+def train(cfg, log=print) -> dict:
+    """Runs (or resumes) training; returns a summary. Exports the drafter when the run completes. With
+    several processes every process calls this with the same configuration."""
+    cfg = as_config(cfg)
+    s = _setup(cfg, log)
+    with open(os.path.join(cfg.data_dir, "eval_prompts.json")) as f:
+        eval_ids = json.load(f)
+    ckpts = Checkpoints(os.path.join(cfg.out, "checkpoints"), keep=cfg.train.keep_checkpoints)
+    try:
+        start = ckpts.latest_step() or 0
+        if start:
+            check_resume(ckpts, start, s.settings, cfg.out)
+        return _run(cfg, s, eval_ids, ckpts, start, log)
+    finally:
+        ckpts.close()
+
+
+def export_checkpoint(cfg, step: int | None = None, log=print) -> str:
+    """Exports the drafter of checkpoint ``step`` of ``cfg.out`` (default: the latest) to
+    ``OUT/drafter_step{N}`` in the official layout, without training: to evaluate a run that is still going
+    (its checkpoints are only read) or one that stopped early. The configuration must be the run's own."""
+    cfg = as_config(cfg)
+    initialize(cfg.train.distributed)  # before the checkpoints touch JAX (_setup's call then does nothing)
+    ckpts = Checkpoints(os.path.join(cfg.out, "checkpoints"), keep=cfg.train.keep_checkpoints, read_only=True)
+    try:
+        steps = list(ckpts.manager.all_steps())
+        if not steps:
+            raise FileNotFoundError(f"no finished checkpoint in {ckpts.directory}")
+        if step is None:
+            step = max(steps)
+        elif step not in steps:
+            raise FileNotFoundError(f"no checkpoint of step {step} in {ckpts.directory}; there are: "
+                                    f"{', '.join(map(str, sorted(steps)))}")
+        s = _setup(cfg, log)  # the target and the data load only once the step is known to exist
+        check_resume(ckpts, step, s.settings, cfg.out)
+        _, drafter_def, drafter_state, fixed, opt_state = _trainable(cfg, s.drafter, s.mesh)
+        drafter_state, _, _ = ckpts.restore(step, drafter_state, opt_state)
+    finally:
+        ckpts.close()
+    path = export_drafter(nnx.merge(drafter_def, drafter_state, fixed), os.path.join(cfg.out, f"drafter_step{step}"))
+    log({"event": "exported", "step": step, "drafter": path})
+    return path
+
+
+def _run(cfg: TrainConfig, setup: _Setup, eval_ids, ckpts, start, log) -> dict:
+    t = cfg.train
+    target, drafter, data, mesh, settings = setup.target, setup.drafter, setup.data, setup.mesh, setup.settings
+    target_def, target_state = nnx.split(target)
+    optimizer, drafter_def, drafter_state, fixed, opt_state = _trainable(cfg, drafter, mesh)
+    drafter_sh = jax.tree.map(lambda x: x.sharding, drafter_state)
+    opt_sh = jax.tree.map(lambda x: x.sharding, opt_state)
+    step_fn = make_train_step(target_def, drafter_def, optimizer, step_options(cfg), mesh=mesh,
+                              drafter_shardings=drafter_sh, opt_shardings=opt_sh, precomputed_features=t.feature_cache,
+                              drafter_fixed=fixed)
+    features = None
+    if t.feature_cache:
+        features = cached_features(target, drafter.cfg.target_layer_ids, data, t.batch_size, log, cfg.data_dir,
+                                   cfg.target)
+    if start:
+        drafter_state, opt_state, meta = ckpts.restore(start, drafter_state, opt_state)
+        log({"event": "resumed", "step": start, "processes": jax.process_count()})
+    stop = _Stop()
+    previous = signal.signal(signal.SIGTERM, stop) if threading.current_thread() is threading.main_thread() else None
+    summary = {"steps_run": 0, "first_loss": None, "last_loss": None}
+    pending: list[tuple[int, dict]] = []  # metrics of the steps not yet checked for finiteness
+    last_saved = start or None
+    tick, tokens_seen = time.perf_counter(), 0
+    step = start
+
+    def check_finite():
+        """Raises on the first non-finite loss or gradient norm since the last check (nothing saved)."""
+        values = [(host_value(m["loss"]), host_value(m["grad_norm"])) for _, m in pending]
+        for (s, _), (loss, norm) in zip(pending, values):
+            if not (math.isfinite(float(loss)) and math.isfinite(float(norm))):
+                kept = f"the last good checkpoint is step {last_saved}" if last_saved else "no checkpoint was written"
+                raise TrainingDiverged(f"training diverged at step {s}: loss {float(loss)}, gradient norm "
+                                       f"{float(norm)}; stopped without saving it ({kept} in {cfg.out}/checkpoints; "
+                                       f"nothing exported). Lower train.lr (now {t.lr}) or check the data")
+        pending.clear()
+
+    try:
+        while step < t.steps:
+            batch, tokens = global_batch(data, step, t.batch_size, t.seed, mesh, features)
+            drafter_state, opt_state, metrics = step_fn(target_state, drafter_state, opt_state, batch[0], batch[1],
+                                                        jnp.int32(step), jnp.uint32(t.seed), *batch[2:])
+            step += 1
+            summary["steps_run"] += 1
+            tokens_seen += tokens
+            pending.append((step, metrics))
+            logging = step % t.log_every == 0 or step == t.steps or step == start + 1
+            if logging:
+                m = {k: host_value(v) for k, v in metrics.items()}
+                check_finite()
+                now = time.perf_counter()
+                record = {"step": step, **{k: (v if k == "loss" else np.round(v, 4)).tolist() for k, v in m.items()},
+                          "tokens_per_s": round(tokens_seen / (now - tick), 1)}
+                tick, tokens_seen = now, 0
+                summary["first_loss"] = summary["first_loss"] if summary["first_loss"] is not None else record["loss"]
+                summary["last_loss"] = record["loss"]
+                log(record)
+            if eval_ids and t.eval_every and step % t.eval_every == 0 and step < t.steps:
+                check_finite()
+                log(evaluate(target, nnx.merge(drafter_def, drafter_state, fixed), eval_ids, t.eval_max_new_tokens, mesh,
+                             step))
+            stop_now = stop.requested
+            if jax.process_count() > 1 and (logging or step % t.checkpoint_every == 0):
+                stop_now = agree_any(stop_now)  # every process stops at the same step
+            stopping = stop_now or (t.stop_after is not None and summary["steps_run"] >= t.stop_after)
+            if step % t.checkpoint_every == 0 or step == t.steps or stopping:
+                check_finite()
+                ckpts.save(step, drafter_state, opt_state, settings)
+                last_saved = step
+            if stopping:
+                log({"event": "stopped", "step": step, "reason": "SIGTERM" if stop_now else "stop_after"})
+                break
+        check_finite()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    summary["step"] = step
+    if step >= t.steps:
+        drafter = nnx.merge(drafter_def, drafter_state, fixed)
+        if eval_ids:
+            record = evaluate(target, drafter, eval_ids, t.eval_max_new_tokens, mesh, step)
+            log(record)
+            summary.update({k: v for k, v in record.items() if k not in ("event", "step")})
+        summary["drafter"] = export_drafter(drafter, os.path.join(cfg.out, "drafter"))
+        log({"event": "done", **summary})
+    return summary

@@ -1,0 +1,133 @@
+"""Data preparation for ``train.py``: prompts -> the target's own responses, in resumable shards.
+
+With several processes each one regenerates only its share of the shards (shard ``i`` goes to process
+``i % processes``) on its own devices; process 0 writes the manifest before and after. The shards are
+the same whatever the number of processes, and an interrupted preparation resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import numpy as np
+
+from retrace_jax.decoding.generation import generate
+from retrace_jax.io.checkpoints import load_drafter, load_target
+from retrace_jax.models.tiny import tiny_target
+from retrace_jax.parallel.distributed import barrier
+from retrace_jax.parallel.placement import shard_model
+from retrace_jax.training.config import TrainConfig, as_config
+from retrace_jax.training.data import (
+    DataError,
+    PrepareSettings,
+    begin_manifest,
+    byte_encoder,
+    chat_encoder,
+    check_manifest,
+    check_prompt_lengths,
+    drop_long,
+    finish_manifest,
+    iter_prompt_ids,
+    load_tokenizer,
+    prepare_shards,
+    read_prompts,
+)
+
+
+def data_dir(cfg) -> str:
+    return as_config(cfg).data_dir
+
+
+def build_target(cfg, mesh=None):
+    """The frozen target (placed on ``mesh`` when given) and its tokenizer (None for the tiny target)."""
+    cfg = as_config(cfg)
+    if cfg.target == "tiny":
+        target = tiny_target()
+        return (shard_model(target, mesh) if mesh is not None else target), None
+    return load_target(cfg.target, dtype=cfg.target_dtype, mesh=mesh), load_tokenizer(cfg.target)
+
+
+def prompt_ids(cfg: TrainConfig, vocab: int, tokenizer, log) -> list[list[int]]:
+    """Training prompts followed by the held-out evaluation prompts, as token ids."""
+    d = cfg.data
+    n_eval = d.eval_prompts
+    if d.prompts == "random":
+        rng = np.random.RandomState(cfg.train.seed)
+        return [rng.randint(0, vocab, (d.prompt_len,)).tolist() for _ in range(d.num_prompts + n_eval)]
+    limit = None if d.num_prompts is None else d.num_prompts + n_eval
+    encode = chat_encoder(tokenizer, d.thinking) if tokenizer is not None else byte_encoder(vocab)
+    ids = iter_prompt_ids(read_prompts(d.prompts, None if d.drop_long_prompts else limit), encode)
+    if d.drop_long_prompts:
+        ids, dropped = drop_long(ids, d.max_prompt_len, limit)
+        log({"event": "dropped_long_prompts", "kept": len(ids), "dropped": dropped, "max_prompt_len": d.max_prompt_len})
+    else:
+        check_prompt_lengths(ids, d.max_prompt_len)  # never cut (evaluation prompts included)
+    return ids
+
+
+def prepare(cfg, log=print) -> str:
+    """Regenerates the training responses with the target; returns the data directory. Every process
+    of a multi-process run calls this (each prepares its share)."""
+    cfg = as_config(cfg)
+    d = cfg.data
+    nproc, pid = jax.process_count(), jax.process_index()
+    target, tokenizer = build_target(cfg)  # each process regenerates on its own devices
+    ids = prompt_ids(cfg, target.cfg.vocab_size, tokenizer, log)
+    n_eval = d.eval_prompts
+    if len(ids) <= n_eval:
+        raise DataError(f"{len(ids)} prompts leave none for training after holding out {n_eval} for evaluation")
+    train_ids, eval_ids = ids[: len(ids) - n_eval], ids[len(ids) - n_eval :]
+    out = cfg.data_dir
+    settings = PrepareSettings(num_prompts=len(train_ids), shard_size=d.shard_size, max_prompt_len=d.max_prompt_len,
+                               max_new_tokens=d.max_new_tokens, temperature=d.temperature, source=str(d.prompts))
+    eval_path = os.path.join(out, "eval_prompts.json")
+    _check_eval_prompts(eval_path, eval_ids)  # every process checks (and fails alike) before any writes
+    check_manifest(out, settings)
+    if pid == 0:
+        os.makedirs(out, exist_ok=True)
+        _write_eval_prompts(eval_path, eval_ids)
+        if nproc > 1:
+            begin_manifest(out, settings)
+    barrier("retrace_jax.prepare.begin")
+    drafter = load_drafter(d.drafter, target) if d.drafter else None
+    stops = [t for t in ([tokenizer.eos_token_id] if tokenizer is not None else []) if t is not None]
+
+    def generate_fn(chunk, first_index):
+        tokens = []
+        for i in range(0, len(chunk), d.gen_batch_size):
+            res = generate(target, chunk[i : i + d.gen_batch_size], d.max_new_tokens, drafter=drafter,
+                           temperature=d.temperature, stop_token_ids=stops, seed=first_index + i)
+            tokens += res.tokens
+        return tokens
+
+    start = time.perf_counter()
+    manifest = prepare_shards(out, train_ids, settings, generate_fn, progress=pid == 0, process_index=pid,
+                              process_count=nproc)
+    barrier("retrace_jax.prepare.end")
+    if nproc > 1:
+        if pid == 0:
+            manifest = finish_manifest(out, -(-len(train_ids) // d.shard_size))
+        barrier("retrace_jax.prepare.manifest")
+        with open(os.path.join(out, "manifest.json")) as f:
+            manifest = json.load(f)
+    log({"event": "prepared", "dir": out, "shards": len(manifest["done"]), "prompts": len(train_ids),
+         "eval_prompts": len(eval_ids), "processes": nproc, "seconds": round(time.perf_counter() - start, 1)})
+    return out
+
+
+def _check_eval_prompts(path: str, eval_ids) -> None:
+    if os.path.exists(path):
+        with open(path) as f:
+            if json.load(f) != eval_ids:
+                raise DataError(f"{path} holds other evaluation prompts; use a new data directory")
+
+
+def _write_eval_prompts(path: str, eval_ids) -> None:
+    if os.path.exists(path):
+        return
+    with open(path + ".tmp", "w") as f:
+        json.dump(eval_ids, f)
+    os.replace(path + ".tmp", path)

@@ -1,0 +1,153 @@
+"""ReTrace training: the K-round on-policy rollout of ``docs/retrace.md`` in fixed shapes.
+
+Round 1 drafts every anchored block as DFlash does (no memory) and counts ``a``, the leading proposals
+that match the sequence (the target's own response, so a match is an acceptance). The verify signal
+is the frozen target run on the drafted block (``verify``: what inference sees) or the teacher-forced
+target states (``teacher``). Round ``k + 1`` re-anchors at ``s' = s + a + 1`` with round ``k``'s rejected
+suffix as its memory, shifted exactly as at inference, fuses it with weight ``beta`` and is trained on
+that block's labels; its own (memory-conditioned) rejected suffix is the memory of round ``k + 2``, as
+at inference. Two rounds (``rounds=2``) is the minimum: one memory-free round, one with memory.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from retrace_jax.decoding.verify import accepted_count
+from retrace_jax.models.draft_vocab import draft_head
+from retrace_jax.models.drafter import DFlashDrafter
+from retrace_jax.models.retrace import Memory, shift_memory
+from retrace_jax.models.target import TargetModel, forward_beside_context
+from retrace_jax.training.dflash_loss import (
+    LossMetrics,
+    batch_sharded,
+    block_visibility,
+    build_blocks,
+    default_gamma,
+    draft_blocks,
+    score_blocks,
+    sequence_context,
+)
+
+CORRECTION_SOURCES = ("verify", "teacher")
+DEFAULT_ROUNDS = 4
+
+
+class Rollout(NamedTuple):
+    """Everything of the K rounds, one tuple entry per round (round 1 first)."""
+
+    rounds: tuple[LossMetrics, ...]
+    accepted: tuple[jax.Array, ...]  # [B, A] a of each round
+    anchors: tuple[jax.Array, ...]  # [B, A] each round's anchors (clipped into the sequence)
+    valid: tuple[jax.Array, ...]  # [B, A] each round's valid blocks (a round past the sequence is not)
+    memories: tuple[Memory, ...]  # [B, A*K, ...] the memory fused into rounds 2..K (one fewer entry)
+    hidden: tuple[jax.Array, ...]  # [B, A*K, d] each round's drafter states
+
+    # The two-round names of earlier versions.
+    round1 = property(lambda self: self.rounds[0])
+    round2 = property(lambda self: self.rounds[1])
+    accepted_ba = property(lambda self: self.accepted[0])  # a of round 1
+    memory = property(lambda self: self.memories[0])  # the memory fused into round 2
+    hidden2_btd = property(lambda self: self.hidden[1])
+    anchors2_ba = property(lambda self: self.anchors[1])
+    valid2_ba = property(lambda self: self.valid[1])
+
+
+def loss_weights(rounds: int = DEFAULT_ROUNDS, weights=None, round1_weight=None) -> tuple[float, ...]:
+    """The loss weight of each round: ``weights`` (one per round), or ``round1_weight`` for round 1 and
+    1.0 for every later round (the meaning of ``round1_weight`` in two-round training); not both."""
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 2:
+        raise ValueError(f"rounds must be an integer >= 2 (one memory-free round, then rounds with memory), "
+                         f"got {rounds!r}")
+    if weights is not None and round1_weight is not None:
+        raise ValueError("give round_weights or round1_weight, not both (round1_weight means "
+                         "round_weights [round1_weight, 1.0, ...])")
+    if weights is None:
+        return (1.0 if round1_weight is None else float(round1_weight),) + (1.0,) * (rounds - 1)
+    weights = tuple(weights)
+    if len(weights) != rounds:
+        raise ValueError(f"round_weights needs one weight per round ({rounds}), got {list(weights)!r}")
+    return tuple(float(w) for w in weights)
+
+
+def verify_blocks(target: TargetModel, seq_cache, blocks_bak, anchors_ba):
+    """The target's final-norm states of drafted blocks ``[B, A, K, d]``: block ``i`` sits at positions
+    ``anchor_i + 0..K-1``, sees the sequence strictly before its anchor and its own earlier slots."""
+    b, a, k = blocks_bak.shape
+    mask = block_visibility(anchors_ba, seq_cache.max_len, k, causal=True)
+    positions = (anchors_ba[:, :, None] + jnp.arange(k)).reshape(b, a * k)
+    hidden = forward_beside_context(target, blocks_bak.reshape(b, a * k), positions, seq_cache, mask)
+    return batch_sharded(hidden).reshape(b, a, k, -1)
+
+
+def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss_mask_bs, anchors_ba, valid_ba,
+                    beta, correction_source: str = "verify", gamma: float | None = None, remat: bool = False,
+                    memory_dtype=None, *, rounds: int = DEFAULT_ROUNDS) -> Rollout:
+    """The ``rounds``-round rollout from the sampled anchors. Each memory carried into the next round is
+    detached (no gradient flows into a round through it); ``memory_dtype`` (e.g. ``"float16"``) stores
+    it rounded to that type. Blocks whose anchor runs past the sequence are invalid from then on."""
+    if correction_source not in CORRECTION_SOURCES:
+        raise ValueError(f"correction_source must be one of {CORRECTION_SOURCES}, got {correction_source!r}")
+    loss_weights(rounds)  # checks rounds
+    cfg = drafter.cfg
+    k = cfg.block_size
+    gamma = default_gamma(k) if gamma is None else gamma
+    b, s = tokens_bs.shape
+    a_count = anchors_ba.shape[1]
+    seq = target(tokens_bs, target.init_cache(b, s), feature_layers=cfg.target_layer_ids)
+    seq = jax.lax.stop_gradient(seq)
+    ctx_kv = sequence_context(drafter, seq.features)
+    head = draft_head(target, drafter)
+
+    metrics, accepted_all, anchors_all, valid_all, memories, hiddens = [], [], [], [], [], []
+    anchors, valid, memory, accepted = anchors_ba, valid_ba, None, None  # accepted: set by each round
+    for r in range(rounds):
+        if r > 0:  # re-anchored after the accepted prefix and its correction token
+            anchors = anchors + accepted + 1
+            valid = valid & (anchors < s)
+            anchors = jnp.minimum(anchors, s - 1)
+            memory = memory.replace(valid=memory.valid & jnp.repeat(valid, k, axis=1))
+            memories.append(memory)
+        blocks = build_blocks(tokens_bs, loss_mask_bs, anchors, valid, k, cfg.mask_token_id, gamma)
+        hidden = draft_blocks(drafter, target, ctx_kv, blocks, memory, beta, remat=remat)
+        m, proposals = score_blocks(target, head, hidden, blocks)  # proposals [B, A, K-1]
+        metrics.append(m)
+        # A proposal is accepted when it equals the sequence token, as long as that token is a real label.
+        labelled = blocks.weights_bak[:, :, 1:] > 0
+        truth = jnp.where(labelled, blocks.labels_bak[:, :, 1:], -1)
+        accepted = accepted_count(proposals.reshape(-1, k - 1), truth.reshape(-1, k - 1)).reshape(b, a_count)
+        accepted_all.append(accepted)
+        anchors_all.append(anchors)
+        valid_all.append(valid)
+        hiddens.append(hidden.reshape(b, a_count * k, -1))
+        if r == rounds - 1:
+            break
+        # The target states that scored this round's proposals, and the next round's memory.
+        if correction_source == "verify":
+            drafted = jnp.concatenate([blocks.labels_bak[:, :, :1], proposals], axis=-1)
+            target_states = verify_blocks(target, seq.cache, drafted, anchors)
+        else:
+            idx = jnp.minimum(blocks.positions_bak, s - 1).reshape(b, -1)
+            target_states = jnp.take_along_axis(seq.hidden, idx[..., None], axis=1).reshape(b, a_count, k, -1)
+        memory = shift_memory(hidden.reshape(b * a_count, k, -1),
+                              target_states.reshape(b * a_count, k, -1).astype(hidden.dtype), accepted.reshape(-1))
+        memory = jax.tree.map(lambda x: x.reshape((b, a_count * k) + x.shape[2:]), memory)
+        if memory_dtype is not None:  # stored in memory_dtype, used in the compute dtype
+            memory = memory.replace(mem_d=memory.mem_d.astype(memory_dtype).astype(memory.mem_d.dtype),
+                                    mem_t=memory.mem_t.astype(memory_dtype).astype(memory.mem_t.dtype))
+    return Rollout(tuple(metrics), tuple(accepted_all), tuple(anchors_all), tuple(valid_all), tuple(memories),
+                   tuple(hiddens))
+
+
+def retrace_loss(drafter, target, tokens_bs, loss_mask_bs, anchors_ba, valid_ba, beta, *, round1_weight=None,
+                 correction_source="verify", gamma=None, remat=False, memory_dtype=None, rounds=DEFAULT_ROUNDS,
+                 round_weights=None):
+    """The weighted sum of the rounds' losses (weights from :func:`loss_weights`: by default 1.0 each,
+    so two rounds give round 2 + ``round1_weight`` × round 1); metrics of every round."""
+    weights = loss_weights(rounds, round_weights, round1_weight)
+    r = retrace_rollout(drafter, target, tokens_bs, loss_mask_bs, anchors_ba, valid_ba, beta, correction_source,
+                        gamma, remat, memory_dtype, rounds=rounds)
+    return sum(w * m.loss for w, m in zip(weights, r.rounds)), r
