@@ -43,10 +43,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import retrace_jax as rj  # noqa: E402
 from retrace_jax.decoding import programs  # noqa: E402
 from retrace_jax.decoding.generation import bucket  # noqa: E402
+from retrace_jax.decoding.layer_loop import per_layer_weights  # noqa: E402
 from retrace_jax.decoding.plain import plain_generate  # noqa: E402
 from retrace_jax.decoding.sampling import SamplingParams  # noqa: E402
 from retrace_jax.decoding.speculative import speculative_generate  # noqa: E402
-from retrace_jax.models.target import per_layer_weights  # noqa: E402
 from retrace_jax.models.tiny import TINY_QWEN3, tiny_target  # noqa: E402
 
 SMOLLM2_135M = dataclasses.replace(

@@ -36,10 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import retrace_jax as rj  # noqa: E402
 from benchmarks.speculative_eval import DEFAULT_SPEC_BENCH, parse_drafters, pick, read_datasets  # noqa: E402
 from retrace_jax.decoding.generation import _check_prompts, _pad_prompts, _pad_stops, _sampling_mode, bucket  # noqa: E402
+from retrace_jax.decoding.layer_loop import resolve_layer_loop  # noqa: E402
 from retrace_jax.decoding.sampling import SamplingParams  # noqa: E402
 from retrace_jax.decoding.speculative import SpeculativeStepper  # noqa: E402
 from retrace_jax.models.drafter import check_drafter_matches  # noqa: E402
-from retrace_jax.models.target import resolve_layer_loop  # noqa: E402
 from retrace_jax.training.data import chat_encoder, load_tokenizer, read_prompts  # noqa: E402
 
 TOP = 5

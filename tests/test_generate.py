@@ -137,7 +137,7 @@ def test_unrolled_programs_keep_per_layer_weights_that_follow_the_target():
 
     import numpy as np
 
-    from retrace_jax.models.target import per_layer_weights
+    from retrace_jax.decoding.layer_loop import per_layer_weights
     from retrace_jax.models.tiny import tiny_target
 
     target = tiny_target()

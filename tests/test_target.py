@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import retrace_jax as rj
+from retrace_jax.decoding.layer_loop import per_layer_weights
 from retrace_jax.models.kv_cache import KVCache
-from retrace_jax.models.target import per_layer_weights, prefill
+from retrace_jax.models.target import prefill
 
 TOL = 1e-4
 

@@ -11,13 +11,14 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from retrace_jax.attention import IMPLEMENTATIONS
+from retrace_jax.decoding.layer_loop import per_layer_weights, resolve_layer_loop
 from retrace_jax.decoding.plain import plain_generate
 from retrace_jax.decoding.sampling import SamplingMode, SamplingParams
 from retrace_jax.decoding.speculative import speculative_generate
 from retrace_jax.io.checkpoints import resolve_dtype
 from retrace_jax.models.config import short_repr
 from retrace_jax.models.drafter import DFlashDrafter, check_drafter_matches
-from retrace_jax.models.target import TargetModel, per_layer_weights, resolve_layer_loop
+from retrace_jax.models.target import TargetModel
 from retrace_jax.parallel.placement import shard_model
 from retrace_jax.parallel.sharding import axis_size, batch_sharding
 
@@ -96,7 +97,7 @@ def generate(
     copies each layer's weights at every step; compile time grows with depth); "auto" is "unrolled" on
     CPU and "scan" on accelerators. The unrolled loop's per-layer copy of the target's layer weights is
     made on the first call and kept while the target lives (twice the layer weights in memory; see
-    ``retrace_jax.models.target.per_layer_weights``).
+    ``retrace_jax.decoding.layer_loop.per_layer_weights``).
     """
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh (e.g. rj.make_mesh({mesh!r}) for a string) or None, "

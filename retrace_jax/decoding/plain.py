@@ -13,10 +13,11 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from retrace_jax.decoding.commit import OutputBuffer, commit
+from retrace_jax.decoding.layer_loop import merge_target, per_layer_weights
 from retrace_jax.decoding.programs import DecodeProgram
 from retrace_jax.decoding.sampling import SamplingMode, SamplingParams, row_keys, step_keys
 from retrace_jax.models.kv_cache import KVCache
-from retrace_jax.models.target import merge_target, per_layer_weights, prefill
+from retrace_jax.models.target import prefill
 
 
 @struct.dataclass
@@ -71,7 +72,7 @@ def plain_generate(graphdef, state, tokens_bp, prompt_lens_b, live_b, max_new, s
     Row ``b`` draws its ``n``-th token with ``fold_in(fold_in(PRNGKey(seed), b), n)``. With a ``mesh``
     the cache is sharded (batch over data, KV heads over tensor) like the parameters.
     An unrolled ``layer_loop`` takes the per-layer weights from ``slices`` (see
-    :func:`~retrace_jax.models.target.per_layer_weights`), or slices them itself when it is None.
+    :func:`~retrace_jax.decoding.layer_loop.per_layer_weights`), or slices them itself when it is None.
     Returns the output buffer (``capacity`` >= ``max_new`` slots per row).
     """
     model = merge_target(graphdef, state, layer_loop, slices)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from retrace_jax.decoding.commit import OutputBuffer, commit
+from retrace_jax.decoding.layer_loop import merge_target, per_layer_weights
 from retrace_jax.decoding.plain import StepConstants
 from retrace_jax.decoding.programs import SEVERAL_ROW_CPU_OPTIONS, DecodeProgram
 from retrace_jax.decoding.sampling import SamplingMode, SamplingParams, row_keys, step_keys
@@ -34,7 +35,7 @@ from retrace_jax.decoding.verify import (
 from retrace_jax.models.draft_vocab import DraftHead, draft_head, head_logits, to_full_vocab, to_target_ids
 from retrace_jax.models.kv_cache import KVCache
 from retrace_jax.models.retrace import Memory, shift_memory
-from retrace_jax.models.target import merge_target, per_layer_weights, prefill
+from retrace_jax.models.target import prefill
 
 
 @struct.dataclass
@@ -202,7 +203,7 @@ def speculative_generate(target_def, target_state, drafter_def, drafter_state, t
     False. With a ``mesh`` both caches are sharded (batch over data, KV heads over tensor). Returns the
     output buffer, the acceptance lengths ``[B, capacity]`` and the rounds per row. ``layer_loop``:
     "scan" or "unrolled" (see ``TargetModel.unroll_layers``); an unrolled loop takes the target's per-layer
-    weights from ``slices`` (see :func:`~retrace_jax.models.target.per_layer_weights`), or slices them itself.
+    weights from ``slices`` (see :func:`~retrace_jax.decoding.layer_loop.per_layer_weights`), or slices them itself.
     """
     models = (merge_target(target_def, target_state, layer_loop, slices), nnx.merge(drafter_def, drafter_state))
     consts, init = speculative_init(models, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampling,
@@ -219,7 +220,7 @@ class SpeculativeStepper:
     exactly those of :func:`speculative_generate` (same function), so the outputs are identical.
 
     With the unrolled layer loop (the CPU default) it uses the target's kept per-layer weights, as
-    ``generate`` does (:func:`~retrace_jax.models.target.per_layer_weights`)."""
+    ``generate`` does (:func:`~retrace_jax.decoding.layer_loop.per_layer_weights`)."""
 
     def __init__(self, target, drafter, layer_loop: str = "auto", **static):
         self._layer_loop = layer_loop

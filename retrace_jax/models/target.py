@@ -6,7 +6,6 @@ The decoder blocks are stacked (every parameter has a leading layer axis ``L``) 
 
 from __future__ import annotations
 
-import weakref
 from typing import NamedTuple, Sequence
 
 import jax
@@ -80,7 +79,7 @@ class TargetModel(nnx.Module):
     def layer_slices(self) -> list:
         """The stacked blocks' parameters sliced into one pytree per layer (copies, on CPU)."""
         _, params = nnx.split(self.layers)
-        return [jax.tree.map(lambda a, i=i: _layer_of(a, i), params) for i in range(self.cfg.num_layers)]
+        return [jax.tree.map(lambda a, i=i: layer_of(a, i), params) for i in range(self.cfg.num_layers)]
 
     def unroll_layers(self, slices: list | None = None) -> "TargetModel":
         """Slices the stacked blocks into separate per-layer arrays, once (call it inside a jitted program
@@ -173,53 +172,11 @@ class TargetModel(nnx.Module):
         return ForwardOutput(hidden, cache.replace(lengths=cache.lengths + t), features)
 
 
-LAYER_LOOPS = ("auto", "scan", "unrolled")
-
-
-def resolve_layer_loop(layer_loop: str = "auto") -> str:
-    """``"auto"``: "unrolled" on CPU (a scan copies each layer's weights at every step there; measured
-    1.6x slower batch-1 decoding of SmolLM2-135M), "scan" on GPU and TPU (compile time independent of
-    depth)."""
-    if layer_loop not in LAYER_LOOPS:
-        raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
-    if layer_loop == "auto":
-        return "unrolled" if jax.default_backend() == "cpu" else "scan"
-    return layer_loop
-
-
-def merge_target(graphdef, state, layer_loop: str = "auto", slices: list | None = None) -> TargetModel:
-    """``nnx.merge`` for the decode programs; an unrolled layer loop slices the layers once up front
-    (or uses ``slices`` from :meth:`TargetModel.layer_slices`)."""
-    model = nnx.merge(graphdef, state)
-    return model.unroll_layers(slices) if resolve_layer_loop(layer_loop) == "unrolled" else model
-
-
-_PER_LAYER = weakref.WeakKeyDictionary()  # target -> (its stacked layer arrays, per-layer copies of them)
-
-
 @jax.jit
-def _layer_of(stacked, layer):
+def layer_of(stacked, layer):
     """Layer ``layer`` of a stacked weight: called eagerly, one small program per weight shape whatever
     the layer; inside a jitted program, a slice."""
     return jax.lax.dynamic_index_in_dim(stacked, layer, keepdims=False)
-
-
-def per_layer_weights(target: TargetModel, layer_loop: str = "auto") -> list | None:
-    """The target's layers as separate per-layer arrays for an unrolled program (``None`` for a scan),
-    made once and kept beside the stacked ones while ``target`` lives: a second copy of the layer
-    weights, which an unrolled program would otherwise slice out at every call (one copy of the weights
-    per call, and one compiled slice per layer and weight, several seconds of compile time for a
-    30-layer model). The copies are remade when the target's layer arrays change (JAX arrays are
-    immutable, so new weights are new arrays)."""
-    if resolve_layer_loop(layer_loop) != "unrolled":
-        return None
-    leaves = jax.tree.leaves(nnx.split(target.layers)[1])
-    kept = _PER_LAYER.get(target)
-    if kept is not None and len(kept[0]) == len(leaves) and all(a is b for a, b in zip(kept[0], leaves)):
-        return kept[1]
-    slices = target.layer_slices()
-    _PER_LAYER[target] = (tuple(leaves), slices)
-    return slices
 
 
 def forward_beside_context(model: TargetModel, tokens_bt, positions_bt, ctx: KVCache, mask_bt_st):
