@@ -13,6 +13,7 @@ implies for a τ (tokens per round) is ``τ * plain_step / round``; the break-ev
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -27,7 +28,6 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
-import retrace_jax.attention as attention_module  # noqa: E402
 from benchmarks.report import median_ms_from  # noqa: E402
 from retrace_jax.attention import (  # noqa: E402
     PALLAS_GPU_MAX_T,
@@ -35,6 +35,7 @@ from retrace_jax.attention import (  # noqa: E402
     fresh_attention,
     reference_attention,
 )
+from retrace_jax.attention.kernels import interpreting, pallas_interpret  # noqa: E402
 from retrace_jax.decoding.plain import plain_init, plain_step  # noqa: E402
 from retrace_jax.decoding.programs import compile_seconds  # noqa: E402
 from retrace_jax.decoding.sampling import SamplingParams  # noqa: E402
@@ -173,7 +174,7 @@ def kernels(kind: str = "prefill") -> tuple[str, ...]:
     """The attention implementations to time here, the chunked JAX path first. Prefill: cuDNN's flash
     attention on NVIDIA GPUs, Pallas splash attention on TPUs. Decode: the Pallas GPU decode kernel on
     GPUs."""
-    if attention_module.PALLAS_INTERPRET:  # --pallas-interpret: both Pallas kernels, interpreted, anywhere
+    if interpreting():  # --pallas-interpret: both Pallas kernels, interpreted, anywhere
         return ("chunked", {"prefill": "pallas_tpu", "decode": "pallas_gpu"}[kind])
     kernel = {("prefill", "gpu"): "cudnn", ("prefill", "tpu"): "pallas_tpu",
               ("decode", "gpu"): "pallas_gpu"}.get((kind, jax.default_backend()))
@@ -256,7 +257,9 @@ def main():
                         "script's kernel rows on a CPU before a device runs them)")
     p.add_argument("--budget-s", type=float, default=420, help="skip what is left after this many seconds")
     args = p.parse_args()
-    attention_module.PALLAS_INTERPRET = args.pallas_interpret
+    stack = contextlib.ExitStack()  # held until main returns
+    if args.pallas_interpret:
+        stack.enter_context(pallas_interpret())
     start = time.perf_counter()
     device = jax.devices()[0]
     dtype = jnp.float32 if args.smoke or device.platform == "cpu" else jnp.bfloat16

@@ -7,13 +7,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from retrace_jax import attention
-from retrace_jax.attention import cached_attention, fresh_attention, reference_attention
+from retrace_jax.attention import (
+    cached_attention,
+    fresh_attention,
+    kernels,
+    pallas_interpret,
+    reference_attention,
+)
 
 
 @pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setattr(attention, "PALLAS_INTERPRET", True)
+def interpret():
+    with pallas_interpret():
+        yield
 
 
 def _case(rng, t, slots, d, extra, dtype=jnp.float32):
@@ -89,7 +95,7 @@ def test_pallas_tpu_splash_prefill_is_causal_attention(interpret, t):
 def test_pallas_kernels_need_their_device():
     q, k, v, limit, _, _ = _case(np.random.default_rng(0), 1, 128, 16, False)
     if jax.default_backend() != "gpu":
-        with pytest.raises(ValueError, match="'pallas_gpu' needs a GPU.*PALLAS_INTERPRET"):
+        with pytest.raises(ValueError, match="'pallas_gpu' needs a GPU.*pallas_interpret"):
             cached_attention(q, k, v, 0, limit, implementation="pallas_gpu")
     if jax.default_backend() != "tpu":
         with pytest.raises(ValueError, match="'pallas_tpu' needs a TPU"):
@@ -99,8 +105,8 @@ def test_pallas_kernels_need_their_device():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("implementation,kernel", [("pallas_gpu", "_decode_kernel_cached"),
-                                                   ("pallas_tpu", "_splash_fresh")])
+@pytest.mark.parametrize("implementation,kernel", [("pallas_gpu", "decode_kernel_cached"),
+                                                   ("pallas_tpu", "splash_fresh")])
 def test_generate_through_pallas_kernels_gives_the_same_tokens(monkeypatch, implementation, kernel):
     """generate(attention=...) with the kernel in interpret mode gives the chunked path's greedy tokens,
     plain and speculative (a block-16 drafter: verify and draft calls of 16 queries), and the kernel is
@@ -116,15 +122,15 @@ def test_generate_through_pallas_kernels_gives_the_same_tokens(monkeypatch, impl
         with pytest.raises(ValueError, match="needs a"):
             rj.generate(target, prompts, 12, attention=implementation)
     calls = []
-    original = getattr(attention, kernel)
+    original = getattr(kernels, kernel)
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(attention, kernel, counted)
-    monkeypatch.setattr(attention, "PALLAS_INTERPRET", True)
+    monkeypatch.setattr(kernels, kernel, counted)
     for kw, tokens in zip(({}, {"drafter": drafter}), want, strict=True):
         calls.clear()
-        assert rj.generate(target, prompts, 12, attention=implementation, **kw).tokens == tokens
+        with pallas_interpret():
+            assert rj.generate(target, prompts, 12, attention=implementation, **kw).tokens == tokens
         assert calls  # traced into the program (decode/verify/draft for the GPU kernel, prefill for splash)

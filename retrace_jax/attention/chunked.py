@@ -1,0 +1,62 @@
+"""The chunked walk over a KV cache with an online softmax (flash-decoding): the cost grows with the filled
+length, not with the cache's size. Shape letters: :mod:`retrace_jax.attention`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG = -1e30  # finite "minus infinity": fully masked chunks stay NaN-free
+
+
+def walk_cache(q_btkgd, limit_bt, *, k_lbskd, v_lbskd, layer, chunk, extra, lo_b=None, state=None):
+    """Online softmax over the extra keys, then over the cache chunks that hold visible slots: query
+    ``(b, t)`` sees the slots ``lo[b] <= s < limit[b, t]`` (``lo`` 0 unless given), so the walk covers
+    chunks ``floor(min(lo) / C) .. ceil(max(limit) / C) - 1``. ``state`` continues a softmax already
+    started (``(m, l, acc)``, ``[B, K, G, T]`` and ``[B, K, G, T, D]``; empty by default)."""
+    b, t, kv, g, d = q_btkgd.shape
+    if state is None:
+        state = (jnp.full((b, kv, g, t), NEG, jnp.float32), jnp.zeros((b, kv, g, t), jnp.float32),
+                 jnp.zeros((b, kv, g, t, d), jnp.float32))
+    if extra is not None:
+        k_e, v_e = extra
+        scores = jnp.einsum("btkgd,bekd->bkgte", q_btkgd, k_e.astype(q_btkgd.dtype),
+                            preferred_element_type=jnp.float32) * d**-0.5
+        state = online_update(state, scores, jnp.ones((b, t, k_e.shape[1]), bool), v_e)
+
+    def one_chunk(j, state):
+        start = j * chunk
+        k_c = jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(k_lbskd, layer, 0, keepdims=False),
+                                           start, chunk, axis=1)
+        v_c = jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(v_lbskd, layer, 0, keepdims=False),
+                                           start, chunk, axis=1)
+        scores = jnp.einsum("btkgd,bckd->bkgtc", q_btkgd, k_c.astype(q_btkgd.dtype),
+                            preferred_element_type=jnp.float32) * d**-0.5
+        slots = (start + jnp.arange(chunk))[None, None, :]
+        visible = slots < limit_bt[:, :, None]  # [B, T, C]
+        if lo_b is not None:
+            visible &= slots >= lo_b[:, None, None]
+        return online_update(state, scores, visible, v_c)
+
+    n_chunks = (jnp.max(limit_bt) + chunk - 1) // chunk
+    first = 0
+    if lo_b is not None:  # nothing left past lo (decode, draft): walk no chunk at all
+        first = jnp.min(lo_b) // chunk
+        n_chunks = jnp.where(jnp.any(limit_bt > lo_b[:, None]), n_chunks, first)
+    _, l, acc = jax.lax.fori_loop(first, n_chunks, one_chunk, state)
+    out = acc / jnp.maximum(l, 1e-30)[..., None]  # [B, K, G, T, D]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, kv * g, d)
+
+
+def online_update(state, scores_bkgtc, visible_btc, v_bckd):
+    """One step of the online softmax: folds the visible scores of one chunk of keys and their values
+    into ``state = (running max, running sum, weighted values)``."""
+    m, l, acc = state
+    visible = visible_btc[:, None, None]
+    scores = jnp.where(visible, scores_bkgtc, NEG)
+    m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+    p = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
+    scale = jnp.exp(m - m_new)
+    l = l * scale + jnp.sum(p, axis=-1)
+    pv = jnp.einsum("bkgtc,bckd->bkgtd", p.astype(v_bckd.dtype), v_bckd, preferred_element_type=jnp.float32)
+    return m_new, l, acc * scale[..., None] + pv

@@ -1,0 +1,45 @@
+"""The reference: dense scores over every key with an explicit mask. It is the definition that the tests
+compare every other path against; training uses it (its masks are arbitrary and its sequences short).
+Shape letters: :mod:`retrace_jax.attention`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def reference_attention(q_bthd, k_bskd, v_bskd, mask_bts):
+    """Grouped-query attention of ``T`` queries over ``S`` keys; ``mask[b, t, s]`` marks visible keys.
+
+    Scores and softmax run in float32; the probabilities are cast to the value dtype (as transformers
+    does) and the output has the query dtype."""
+    b, t, h, d = q_bthd.shape
+    kv_heads = k_bskd.shape[2]
+    q = q_bthd.reshape(b, t, kv_heads, h // kv_heads, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_bskd, preferred_element_type=jnp.float32) * (d**-0.5)
+    scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bskd.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_bskd)
+    return out.reshape(b, t, h, d).astype(q_bthd.dtype)
+
+
+def attention_beside_context(q_bthd, k_btkd, v_btkd, ctx_k_bskd, ctx_v_bskd, mask_bt_st):
+    """Reference attention over a fixed context followed by the new tokens' own keys: ``mask[:, :, :S]``
+    covers the context, ``mask[:, :, S:]`` the new tokens (training's block drafting and verification)."""
+    keys = jnp.concatenate([ctx_k_bskd, k_btkd.astype(ctx_k_bskd.dtype)], axis=1)
+    values = jnp.concatenate([ctx_v_bskd, v_btkd.astype(ctx_v_bskd.dtype)], axis=1)
+    return reference_attention(q_bthd, keys, values, mask_bt_st)
+
+
+def dense_cached(q_bthd, k_lbskd, v_lbskd, layer, limit_bt, extra_k, extra_v):
+    """``cached_attention``'s meaning through the reference: every slot of layer ``layer`` scored, those
+    ``s >= limit[b, t]`` masked, the extra keys visible to every query."""
+    s = k_lbskd.shape[2]
+    k = jax.lax.dynamic_index_in_dim(k_lbskd, layer, 0, keepdims=False)
+    v = jax.lax.dynamic_index_in_dim(v_lbskd, layer, 0, keepdims=False)
+    mask = jnp.arange(s)[None, None, :] < limit_bt[:, :, None]
+    if extra_k is None:
+        return reference_attention(q_bthd, k, v, mask)
+    b, t = limit_bt.shape
+    mask = jnp.concatenate([mask, jnp.ones((b, t, extra_k.shape[1]), bool)], axis=-1)
+    return attention_beside_context(q_bthd, extra_k, extra_v, k, v, mask)
