@@ -14,11 +14,10 @@ table gives the medians.
 XLA options: ``cpu`` are the options ``generate``'s programs compile with on CPU
 (``retrace_jax.decoding.programs.cpu_compiler_options``: XLA's fast-compile preset; for the speculative
 programs also Eigen instead of YNNPACK for products of several rows, where this XLA takes that option),
-``cpu-preset`` the preset alone (what they all compiled with until late on 2026-12-01), ``default``
-XLA's own.
+``cpu-preset`` the preset alone (what the plain programs use), ``default`` XLA's own.
 Layer loops: ``unrolled`` is what ``generate`` runs on CPU (the per-layer weights that
 ``per_layer_weights`` keeps beside the target are arguments of the program); ``unrolled-sliced`` is the
-same loop slicing those weights inside the program, as it did before; ``scan`` is the accelerator default.
+same loop slicing those weights inside the program; ``scan`` is the accelerator default.
 Random weights time compilation and decoding as well as real ones (no stop token is given, so every run
 generates exactly ``--tokens`` tokens).
 """

@@ -164,7 +164,7 @@ def main(argv=None):
     p.add_argument("--drafter", action="append", default=[],
                    help="NAME=DIR (repeatable; default: C=the shipped drafter of --model)")
     p.add_argument("--spec-bench", default=DEFAULT_SPEC_BENCH,
-                   help="Spec-Bench questions (JSONL, optionally .gz; default: the vendored copy in benchmarks/data)")
+                   help="Spec-Bench questions (JSONL, optionally .gz; default: the copy in retrace_jax/assets/data)")
     p.add_argument("--per-category", type=int, default=4, help="prompts per Spec-Bench category")
     p.add_argument("--prompts", default=None, help="a JSONL prompt file (data.read_prompts' formats) to use "
                    "instead of Spec-Bench, as one category named after the file; e.g. the lab's held-out code")

@@ -8,7 +8,7 @@ of docs/results.md; prompts that no training step saw).
     --sampled-methods B,C,C-off --speed-temperatures 0,1 --out runs/smollm2_eval.json --plot docs/acceptance_lengths.png
 
 Datasets: the six Spec-Bench groups (MT-Bench's 80 questions, first turn, as one group; translation,
-summarization, qa, math_reasoning, rag; vendored in ``benchmarks/data``) and HumanEval
+summarization, qa, math_reasoning, rag; shipped in ``retrace_jax/assets/data``) and HumanEval
 (``scripts/fetch_assets.py humaneval``), with
 ``--per-dataset`` prompts spread evenly over each file. Prompts longer than ``--max-prompt-len`` tokens
 are skipped (and counted), never cut.
@@ -54,7 +54,7 @@ from retrace_jax.decoding.generation import DRAFT_RULES  # noqa: E402
 from retrace_jax.training.data import chat_encoder, load_tokenizer  # noqa: E402
 
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
-# the Spec-Bench questions, vendored (benchmarks/data/SOURCES.md)
+# the Spec-Bench questions, shipped as package data (retrace_jax/assets/data/SOURCES.md)
 DEFAULT_SPEC_BENCH = rj.assets.SPEC_BENCH
 DEFAULT_HUMANEVAL = os.path.join(os.path.expanduser("~"), ".cache", "retrace_jax", "data", "humaneval.jsonl")
 
@@ -130,7 +130,7 @@ def main(argv=None):
                    help="NAME=K: run drafter NAME (and NAME-off) at block size K instead of its own (repeatable; "
                         "the same directory may be given under several names to compare block sizes)")
     p.add_argument("--spec-bench", default=DEFAULT_SPEC_BENCH, help="Spec-Bench questions (JSONL, optionally .gz; "
-                   "default: the vendored copy in benchmarks/data)")
+                   "default: the copy in retrace_jax/assets/data)")
     p.add_argument("--humaneval", default=DEFAULT_HUMANEVAL)
     p.add_argument("--per-dataset", type=int, default=12, help="prompts per dataset for τ")
     p.add_argument("--speed-prompts", type=int, default=1, help="prompts per dataset timed at batch 1")

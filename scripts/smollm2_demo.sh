@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The demo's SmolLM2-135M-Instruct drafter (issue 15; docs/results.md, "The demo drafter"): prompts, the
 # target's responses, the DFlash training with a draft vocabulary, the bfloat16 copy that ships in
-# retrace_jax/drafters/smollm2-135m-instruct-dflash, then its evaluation. Every stage is cached and
+# retrace_jax/assets/drafters/smollm2-135m-instruct-dflash, then its evaluation. Every stage is cached and
 # resumes (the prompt mix is rewritten identically, regeneration shards, the feature store and Orbax
 # checkpoints are kept), so rerunning the script continues where it stopped. About 2 hours on 2 CPU cores.
 #   pip install -e '.[assets,bench]' && bash scripts/smollm2_demo.sh
@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=~/.cache/retrace_jax/data
 TARGET=~/.cache/retrace_jax/models/smollm2-135m-instruct
-SHIP=retrace_jax/drafters/smollm2-135m-instruct-dflash
+SHIP=retrace_jax/assets/drafters/smollm2-135m-instruct-dflash
 python scripts/fetch_assets.py smollm2-135m-instruct sharegpt math asdiv mbpp humaneval
 [ -f $DATA/mix15.jsonl ] || python scripts/mix_prompts.py --out $DATA/mix15.jsonl \
     --take sharegpt=all,math=3000,asdiv=all,mbpp=3000

@@ -10,6 +10,7 @@ import shutil
 
 import jax
 import numpy as np
+import pytest
 import torch
 import transformers
 from flax import nnx
@@ -181,3 +182,17 @@ def built_once(tmp_path_factory, name: str, build) -> "os.PathLike":
             build(path)
             (path / ".complete").touch()
     return path
+
+
+def cli_error(capsys, main, argv) -> str:
+    """Runs a command line's ``main`` on input it must refuse: it exits with status 1 and its last line on
+    stderr is one ``error: ...`` line (no traceback), which is returned."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 1, exit_.value.code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.endswith("\n"), err
+    line = err.splitlines()[-1]
+    assert line.startswith("error: "), err
+    return line

@@ -168,7 +168,7 @@ def test_drafter_config_json_errors_name_the_file(target, tmp_path):
     path = str(tmp_path / "d")
     rj.save_drafter(_drafter(target), path)
     edit_config(path, lambda c: c.update(num_hidden_layers=0))
-    with pytest.raises(rj.ConfigError, match=r"num_hidden_layers 0 < 1"):
+    with pytest.raises(rj.ConfigError, match=r"config.json: num_hidden_layers must be a positive integer, got 0"):
         rj.load_drafter(path, target)
     _write(os.path.join(path, "config.json"), "{oops")
     with pytest.raises(rj.ConfigError, match=r"d/config\.json is not valid JSON"):

@@ -52,6 +52,8 @@ def test_make_mesh_specs():
         rj.make_mesh("data=2,tensor=2")
     with pytest.raises(ValueError, match="look like"):
         rj.make_mesh("tensor")
+    with pytest.raises(ValueError, match="mesh axis 'data' is named twice"):
+        rj.make_mesh("data=1,data=1")
 
 
 def test_rules_replicate_what_does_not_divide():

@@ -3,6 +3,7 @@ decoding, for DFlash and then ReTrace; resumable data preparation; clear errors 
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from retrace_jax.training.data import (
     prepare_shards,
     read_prompts,
 )
-from tests.helpers import make_hf_model, save_hf_model, save_word_tokenizer
+from tests.helpers import cli_error, make_hf_model, save_hf_model, save_word_tokenizer
 
 PROMPT_LINES = [
     {"conversations": [{"from": "human", "value": "w5 w6 w7 w8"}, {"from": "gpt", "value": "w9"}]},
@@ -185,30 +186,36 @@ def test_long_prompts_are_dropped_not_cut_and_paths_expand(tmp_path, monkeypatch
     assert cfg["data"]["drop_long_prompts"] is True  # dropping is the default
 
 
-def test_bad_configs_fail_clearly_and_lose_nothing(workspace, dflash_run, tmp_path):
+def test_bad_configs_fail_clearly_and_lose_nothing(workspace, dflash_run, tmp_path, capsys):
     root, config = workspace
-    with pytest.raises(SystemExit, match="config file not found"):
-        train.main(["--config", str(tmp_path / "nope.yaml")])
-    with pytest.raises(SystemExit, match="model directory not found"):
-        train.main(["--config", config, "--set", f"target={tmp_path}/missing", "--set", f"out={tmp_path}/a"])
-    with pytest.raises(SystemExit, match="prompt file not found"):
-        train.main(["--config", config, "--set", f"data.prompts={tmp_path}/none.jsonl", "--set",
-                    f"data.dir={tmp_path}/d", "--set", f"out={tmp_path}/b"])
+    message = cli_error(capsys, train.main, ["--config", str(tmp_path / "nope.yaml")])
+    assert re.search("config file not found", message), message
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"target={tmp_path}/missing",
+                                            "--set", f"out={tmp_path}/a"])
+    assert re.search("model directory not found", message), message
+    message = cli_error(capsys, train.main, ["--config", config, "--set",
+                                            f"data.prompts={tmp_path}/none.jsonl", "--set",
+                                            f"data.dir={tmp_path}/d", "--set", f"out={tmp_path}/b"])
+    assert re.search("prompt file not found", message), message
     # A drafter made for another target.
     other = tmp_path / "other"
     rj.save_drafter(rj.init_drafter(rj.tiny.TINY_QWEN3, mask_token_id=3, num_layers=1, block_size=4), str(other))
-    with pytest.raises(SystemExit, match="does not match the target"):
-        train.main(["--config", config, "--set", f"drafter.init={other}", "--set", f"out={tmp_path}/c"])
-    with pytest.raises(SystemExit, match="num_anchors 60 exceeds"):
-        train.main(["--config", config, "--set", "train.num_anchors=60", "--set", f"out={tmp_path}/e"])
-    with pytest.raises(SystemExit, match="train.log_every must be a positive integer"):
-        train.main(["--config", config, "--set", "train.log_every=0"])
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"drafter.init={other}", "--set",
+                                            f"out={tmp_path}/c"])
+    assert re.search("does not match the target", message), message
+    message = cli_error(capsys, train.main, ["--config", config, "--set", "train.num_anchors=60", "--set",
+                                            f"out={tmp_path}/e"])
+    assert re.search("num_anchors 60 exceeds", message), message
+    message = cli_error(capsys, train.main, ["--config", config, "--set", "train.log_every=0"])
+    assert re.search("train.log_every must be a positive integer", message), message
     # A finished run is not disturbed by a bad rerun.
     before = _tensors(dflash_run[0])
-    with pytest.raises(SystemExit):
-        train.main(["--config", config, "--set", f"out={dflash_run[0]}", "--set", f"drafter.init={other}"])
-    with pytest.raises(SystemExit, match="other settings"):  # a resume with another seed is refused
-        train.main(["--config", config, "--set", f"out={dflash_run[0]}", "--set", "train.seed=5"])
+    cli_error(capsys, train.main, ["--config", config, "--set", f"out={dflash_run[0]}", "--set",
+                                  f"drafter.init={other}"])
+    # a resume with another seed is refused
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={dflash_run[0]}", "--set",
+                                            "train.seed=5"])
+    assert re.search("other settings", message), message
     after = _tensors(dflash_run[0])
     assert all(np.array_equal(before[k], after[k]) for k in before)
     assert sorted(os.listdir(os.path.join(dflash_run[0], "checkpoints"))) == ["20", "40"]
@@ -233,16 +240,15 @@ def test_feature_cache_gives_the_same_training(workspace, dflash_run):
     assert os.path.dirname(first["dir"]) == str(root / "data")
 
 
-def test_resume_with_other_settings_is_refused_before_anything_is_restored(workspace, dflash_run, monkeypatch):
+def test_resume_with_other_settings_is_refused_before_anything_is_restored(workspace, dflash_run, monkeypatch, capsys):
     from retrace_jax.training.checkpoints import Checkpoints
 
     root, config = workspace
     monkeypatch.setattr(Checkpoints, "restore", lambda *a, **k: pytest.fail("Orbax restored a checkpoint"))
     before = sorted(os.listdir(os.path.join(dflash_run[0], "checkpoints")))
-    with pytest.raises(SystemExit) as err:
-        train.main(["--config", config, "--set", f"out={dflash_run[0]}", "--set", "train.objective=retrace",
-                    "--set", "train.lr=1e-3", "--set", "train.num_anchors=5", "--set", "drafter.block_size=5"])
-    message = str(err.value.code)
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={dflash_run[0]}", "--set",
+                                            "train.objective=retrace", "--set", "train.lr=1e-3", "--set",
+                                            "train.num_anchors=5", "--set", "drafter.block_size=5"])
     assert message.startswith("error: ") and "\n" not in message and len(message) < 700, message
     for part in ("objective: 'dflash' then, 'retrace' now", "lr: 0.003 then, 0.001 now", "num_anchors: 6 then, 5 now",
                  "block_size: 4 then, 5 now"):
@@ -250,14 +256,14 @@ def test_resume_with_other_settings_is_refused_before_anything_is_restored(works
     assert sorted(os.listdir(os.path.join(dflash_run[0], "checkpoints"))) == before
 
 
-def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(workspace, tmp_path):
+def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(workspace, tmp_path, capsys):
     root, config = workspace
     out = tmp_path / "diverged"
     # The first update has learning rate 0 (warm-up); the second one, 1e30, blows the weights up.
-    with pytest.raises(SystemExit) as err:
-        train.main(["--config", config, "--set", f"out={out}", "--set", "train.lr=1e30", "--set", "train.steps=20",
-                    "--set", "train.checkpoint_every=2", "--set", "train.log_every=5", "--set", "data.eval_prompts=4"])
-    message = str(err.value.code)
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={out}", "--set",
+                                            "train.lr=1e30", "--set", "train.steps=20", "--set",
+                                            "train.checkpoint_every=2", "--set", "train.log_every=5", "--set",
+                                            "data.eval_prompts=4"])
     assert message.startswith("error: training diverged at step 3: loss nan") and "\n" not in message, message
     assert "the last good checkpoint is step 2" in message and "train.lr" in message
     assert sorted(os.listdir(out / "checkpoints")) == ["2"]
@@ -308,7 +314,7 @@ def test_training_logs_without_tensorboard(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow  # CI time; pytest -m slow runs it
-def test_a_draft_vocabulary_is_chosen_from_the_data_kept_on_resume_and_exported(workspace, dflash_run):
+def test_a_draft_vocabulary_is_chosen_from_the_data_kept_on_resume_and_exported(workspace, dflash_run, capsys):
     from retrace_jax.models.draft_vocab import frequent_tokens, token_counts
     from retrace_jax.training.data import SequenceData
 
@@ -316,12 +322,12 @@ def test_a_draft_vocabulary_is_chosen_from_the_data_kept_on_resume_and_exported(
     out = str(root / "vocab")
     args = ["--config", config, "--set", f"out={out}", "--set", "train.steps=6", "--set", "train.checkpoint_every=3"]
     train.main(args + ["--set", "drafter.draft_vocab=40", "--set", "train.stop_after=3"])
-    with pytest.raises(SystemExit) as err:  # another vocabulary is another run
-        train.main(args + ["--set", "drafter.draft_vocab=30"])
-    assert "draft_vocab: " in str(err.value.code) and "then" in str(err.value.code)
-    with pytest.raises(SystemExit) as err:  # the same for an export
-        train.main(args + ["--set", "drafter.draft_vocab=30", "--stage", "export"])
-    assert "draft_vocab: " in str(err.value.code)
+    # another vocabulary is another run
+    message = cli_error(capsys, train.main, args + ["--set", "drafter.draft_vocab=30"])
+    assert "draft_vocab: " in message and "then" in message
+    # the same for an export
+    message = cli_error(capsys, train.main, args + ["--set", "drafter.draft_vocab=30", "--stage", "export"])
+    assert "draft_vocab: " in message
     early = train.main(args + ["--set", "drafter.draft_vocab=40", "--stage", "export"])  # the stopped run's step 3
     assert early == os.path.join(out, "drafter_step3")
     summary = train.main(args + ["--set", "drafter.draft_vocab=40"])
@@ -345,13 +351,15 @@ def test_a_draft_vocabulary_is_chosen_from_the_data_kept_on_resume_and_exported(
     drafter = rj.load_drafter(summary["drafter"], target)
     prompts = json.load(open(root / "data" / "eval_prompts.json"))
     assert rj.generate(target, prompts, 24, drafter=drafter).tokens == rj.generate(target, prompts, 24).tokens
-    with pytest.raises(SystemExit) as err:  # a drafter keeps its draft vocabulary
-        train.main(["--config", config, "--set", f"out={root / 'vocab_retrace'}", "--set", "train.objective=retrace",
-                    "--set", f"drafter.init={summary['drafter']}", "--set", "drafter.draft_vocab=50"])
-    assert "keeps its draft vocabulary" in str(err.value.code)
+    # a drafter keeps its draft vocabulary
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={root / 'vocab_retrace'}",
+                                            "--set", "train.objective=retrace", "--set",
+                                            f"drafter.init={summary['drafter']}", "--set",
+                                            "drafter.draft_vocab=50"])
+    assert "keeps its draft vocabulary" in message
 
 
-def test_export_reads_checkpoints_and_refuses_clearly(workspace, dflash_run):
+def test_export_reads_checkpoints_and_refuses_clearly(workspace, dflash_run, capsys):
     root, config = workspace
     out = dflash_run[0]
     args = ["--config", config, "--set", f"out={out}", "--stage", "export"]
@@ -366,15 +374,14 @@ def test_export_reads_checkpoints_and_refuses_clearly(workspace, dflash_run):
     assert rj.generate(target, prompts, 24, drafter=drafter).tokens == rj.generate(target, prompts, 24).tokens
     assert log.read_text() == before  # the run's log is left alone
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == checkpoints
-    with pytest.raises(SystemExit) as err:
-        train.main(args + ["--step", "30"])
-    assert "no checkpoint of step 30" in str(err.value.code) and "20, 40" in str(err.value.code)
-    with pytest.raises(SystemExit) as err:
-        train.main(args + ["--set", "train.lr=0.1"])
-    assert "lr: 0.003 then, 0.1 now" in str(err.value.code)
-    with pytest.raises(SystemExit) as err:
-        train.main(["--config", config, "--set", f"out={root / 'never_trained'}", "--stage", "export"])
-    assert "no checkpoints in" in str(err.value.code)
+    message = cli_error(capsys, train.main, args + ["--step", "30"])
+    assert "no checkpoint of step 30" in message and "20, 40" in message
+    message = cli_error(capsys, train.main, args + ["--set", "train.lr=0.1"])
+    assert "lr: 0.003 then, 0.1 now" in message
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={root / 'never_trained'}",
+                                            "--stage", "export"])
+    assert "no checkpoints in" in message
     assert not os.path.exists(root / "never_trained")
-    with pytest.raises(SystemExit):  # argparse: --step only with --stage export
+    with pytest.raises(SystemExit) as exit_:  # argparse: --step only with --stage export
         train.main(["--config", config, "--step", "20"])
+    assert exit_.value.code == 2

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from retrace_jax.assets.prompts import write_records
 from retrace_jax.errors import DataError
-from retrace_jax.training.data import first_user_turn, read_jsonl
+from retrace_jax.training.data import prompt_records, read_jsonl
 
 
 def normalise(text: str) -> str:
@@ -80,14 +80,10 @@ def eval_texts(path: str) -> list[str]:
 
 def source_prompts(path: str) -> list[tuple[str, str | None, list[dict]]]:
     """(id, category, chat up to the first user message) of each record of a prompt file, in file order."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"prompt file not found: {path}")
     out = []
-    for n, record in read_jsonl(path):
-        if not isinstance(record, dict):
-            raise DataError(f"{path}:{n}: each line must be a JSON object")
+    for n, record, chat in prompt_records(path):
         rid = record.get("id", record.get("task_id", record.get("question_id", n)))
-        out.append((str(rid), record.get("category"), first_user_turn(record, f"{path}:{n}")))
+        out.append((str(rid), record.get("category"), chat))
     return out
 
 

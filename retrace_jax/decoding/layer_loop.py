@@ -38,9 +38,9 @@ def per_layer_weights(target: TargetModel, layer_loop: str = "auto") -> list | N
     """The target's layers as separate per-layer arrays for an unrolled program (``None`` for a scan),
     made once and kept beside the stacked ones while ``target`` lives: a second copy of the layer
     weights, which an unrolled program would otherwise slice out at every call (one copy of the weights
-    per call, and one compiled slice per layer and weight, several seconds of compile time for a
-    30-layer model). The copies are remade when the target's layer arrays change (JAX arrays are
-    immutable, so new weights are new arrays)."""
+    per call, and one compiled slice per layer and weight, which adds much compile time to a deep model;
+    docs/performance.md measures it). The copies are remade when the target's layer arrays change (JAX
+    arrays are immutable, so new weights are new arrays)."""
     if resolve_layer_loop(layer_loop) != "unrolled":
         return None
     leaves = jax.tree.leaves(nnx.split(target.layers)[1])

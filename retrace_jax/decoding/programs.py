@@ -62,17 +62,17 @@ def compile_seconds():
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
-# XLA's CPU preset that spends less compile time on optimisations. For the demo-shaped decode programs
-# it saved 0.5 to 3.6 s of 11-15 s of XLA compile time in most compilations (noisy) and left decoding as
-# fast (benchmarks/compile_time.py, docs/performance.md); GPUs and TPUs compile with XLA's defaults.
+# XLA's CPU preset that spends less compile time on optimisations: it shortens XLA's compilation of the
+# decode programs without slowing decoding (benchmarks/compile_time.py; docs/performance.md measures
+# both). GPUs and TPUs compile with XLA's defaults.
 CPU_COMPILER_OPTIONS = {"xla_cpu_opt_preset": "CPU_OPT_PRESET_FAST_COMPILE"}
 
 # Options for the speculative programs, whose hot products have several rows (the verify pass's and
-# the draft block's): an empty YNNPACK fusion type sends them to Eigen instead of YNNPACK. Side by side
-# at the demo's shapes (benchmarks/compile_time.py --retrace, three runs; docs/performance.md) DFlash
-# rounds ran 3-7% and ReTrace rounds 0-8% faster with it; plain decoding, whose products have one row,
-# ran 3-4% slower in two runs, so plain programs go without. The option is experimental in XLA: it is
-# kept only where a trivial program compiles with it.
+# the draft block's): an empty YNNPACK fusion type sends them to Eigen instead of YNNPACK, which makes
+# DFlash and ReTrace rounds faster at the demo's shapes. Plain decoding, whose products have one row, is
+# slower with it, so plain programs go without (benchmarks/compile_time.py --retrace; docs/performance.md
+# measures both). The option is experimental in XLA: it is kept only where a trivial program compiles
+# with it.
 SEVERAL_ROW_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 

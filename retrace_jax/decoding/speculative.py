@@ -157,9 +157,10 @@ def speculative_round(models, consts: RoundConstants, c: SpecCarry) -> tuple[Spe
     start = c.target_cache.lengths
     draft_hidden = draft_block(target, drafter, c.anchor_b, c.draft_cache, block_size, c.memory, consts.attention)
     head = consts.draft_head
-    # The head multiplies every block row and drops the anchor's logits after: XLA's CPU matmul (Eigen,
-    # see compile_cache) took 110 ms for 7 rows against the demo's vocabulary and 16 ms for 8
-    # (docs/performance.md); on accelerators one more row costs nothing.
+    # The head multiplies every block row, the anchor's included, and drops the anchor's logits after: on
+    # CPU the speculative programs send several-row products to Eigen (decoding/programs.py), which
+    # multiplies 7 rows by a large vocabulary far more slowly than 8 (docs/performance.md measures it);
+    # on accelerators the extra row costs next to nothing.
     draft_logits = head_logits(target, head, draft_hidden)[:, 1:]  # [B, K, U] ([B, K, V] without a draft vocab)
     keys = step_keys(consts.keys_b, c.rounds_b + 1)
     proposals = make_proposals(keys, draft_logits, consts.sampling, mode, head)

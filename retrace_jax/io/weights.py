@@ -26,8 +26,9 @@ from retrace_jax.parallel.sharding import named_sharding
 @dataclasses.dataclass(frozen=True)
 class WeightSpec:
     """One tensor: its Hugging Face name, its NNX state path, whether it is stored ``[out, in]``, and the
-    logical axes of its dimensions (for sharding; see ``sharding.LOGICAL_RULES``). ``layer`` is set for
-    one layer's slice of a parameter stacked over layers (the target's decoder blocks)."""
+    logical axes of its dimensions (for sharding; see ``retrace_jax.parallel.sharding.LOGICAL_RULES``).
+    ``layer`` is set for one layer's slice of a parameter stacked over layers (the target's decoder
+    blocks)."""
 
     hf_name: str
     path: tuple

@@ -17,11 +17,11 @@ from retrace_jax.models.layers import BlockSpec
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Shape and flags of a decoder-only transformer (hashable: used as a static jit argument)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecoderShape:
+    """The shape of a stack of decoder blocks: what the target's and the drafter's configs share, read
+    from ``config.json`` by one parser (:meth:`shape_from_hf`)."""
 
-    model_type: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -32,17 +32,6 @@ class ModelConfig:
     rope_theta: float
     rms_norm_eps: float
     max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool  # Qwen2: always; Qwen3/Llama: attention_bias
-    o_bias: bool  # Qwen3/Llama: attention_bias; Qwen2: never
-    mlp_bias: bool  # Llama's mlp_bias
-    qk_norm: bool  # Qwen3 only
-
-    @property
-    def block_spec(self) -> BlockSpec:
-        return BlockSpec(self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim,
-                         self.rope_theta, self.rms_norm_eps, qkv_bias=self.qkv_bias, o_bias=self.o_bias,
-                         mlp_bias=self.mlp_bias, qk_norm=self.qk_norm)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -51,20 +40,20 @@ class ModelConfig:
                 f"num_key_value_heads={self.num_kv_heads}"
             )
 
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Builds a config from the dict of a Hugging Face ``config.json``."""
-        model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+    def block_spec_with(self, *, qkv_bias: bool, o_bias: bool, mlp_bias: bool, qk_norm: bool) -> BlockSpec:
+        """The :class:`~retrace_jax.models.layers.BlockSpec` of this shape with the family's flags."""
+        return BlockSpec(self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim,
+                         self.rope_theta, self.rms_norm_eps, qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
+                         qk_norm=qk_norm)
+
+    @staticmethod
+    def shape_from_hf(hf: dict[str, Any], max_position_embeddings: int) -> dict[str, Any]:
+        """The shape fields of a ``config.json`` dict, checked (``max_position_embeddings``: the default
+        when the file has none)."""
         _check_rope(hf)
         heads = _required(hf, "num_attention_heads")
         hidden = _required(hf, "hidden_size")
-        attention_bias = bool(hf.get("attention_bias", False))
-        return cls(
-            model_type=model_type,
+        return dict(
             vocab_size=_required(hf, "vocab_size"),
             hidden_size=hidden,
             intermediate_size=_required(hf, "intermediate_size"),
@@ -74,7 +63,55 @@ class ModelConfig:
             head_dim=_positive_int(hf, "head_dim") or hidden // heads,
             rope_theta=float(rope_theta(hf)),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", max_position_embeddings)),
+        )
+
+    def shape_to_hf(self) -> dict[str, Any]:
+        """The ``config.json`` fields of the shape (``shape_from_hf`` reads them back)."""
+        return {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_dropout": 0.0,
+        }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig(DecoderShape):
+    """A target decoder: its shape and the flags of its family (hashable: a static jit argument)."""
+
+    model_type: str
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2: always; Qwen3/Llama: attention_bias
+    o_bias: bool  # Qwen3/Llama: attention_bias; Qwen2: never
+    mlp_bias: bool  # Llama's mlp_bias
+    qk_norm: bool  # Qwen3 only
+
+    @property
+    def block_spec(self) -> BlockSpec:
+        return self.block_spec_with(qkv_bias=self.qkv_bias, o_bias=self.o_bias, mlp_bias=self.mlp_bias,
+                                    qk_norm=self.qk_norm)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Builds a config from the dict of a Hugging Face ``config.json``."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        attention_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            **cls.shape_from_hf(hf, max_position_embeddings=32768),
+            model_type=model_type,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=True if model_type == "qwen2" else attention_bias,
             o_bias=False if model_type == "qwen2" else attention_bias,
@@ -98,20 +135,9 @@ class ModelConfig:
         hf = {
             "architectures": [family],
             "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rope_theta": self.rope_theta,
+            **self.shape_to_hf(),
             "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_dropout": 0.0,
         }
         if self.model_type != "qwen2":
             hf["attention_bias"] = self.o_bias

@@ -20,7 +20,7 @@ from flax import nnx
 
 from retrace_jax.attention import attention_beside_context, cached_attention
 from retrace_jax.errors import ConfigError
-from retrace_jax.models.config import ModelConfig, rope_theta
+from retrace_jax.models.config import DecoderShape, ModelConfig
 from retrace_jax.models.draft_vocab import DraftVocab, check_ids
 from retrace_jax.models.kv_cache import KVCache
 from retrace_jax.models.layers import BlockSpec, DecoderBlock, RMSNorm, linear
@@ -39,27 +39,20 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
     return tuple(int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
 
 
-@dataclasses.dataclass(frozen=True)
-class DrafterConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float
-    rms_norm_eps: float
-    max_position_embeddings: int
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DrafterConfig(DecoderShape):
+    """A DFlash drafter: its decoder shape (the target's width and heads) and what makes it a drafter."""
+
     block_size: int
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
     num_target_layers: int
-    vocab_size: int
     attention_bias: bool = False
     retrace: ReTraceConfig | None = None  # set for a ReTrace drafter
     draft_vocab_size: int | None = None  # U: proposals come from U token ids (retrace_jax/models/draft_vocab.py)
 
     def __post_init__(self):
+        super().__post_init__()
         u = self.draft_vocab_size
         if u is not None and (isinstance(u, bool) or not isinstance(u, numbers.Integral)
                               or not 1 <= u <= self.vocab_size):
@@ -78,9 +71,8 @@ class DrafterConfig:
 
     @property
     def block_spec(self) -> BlockSpec:
-        return BlockSpec(self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim,
-                         self.rope_theta, self.rms_norm_eps, qkv_bias=self.attention_bias,
-                         o_bias=self.attention_bias, mlp_bias=False, qk_norm=True)
+        return self.block_spec_with(qkv_bias=self.attention_bias, o_bias=self.attention_bias, mlp_bias=False,
+                                    qk_norm=True)
 
     @property
     def num_features(self) -> int:
@@ -91,29 +83,19 @@ class DrafterConfig:
         dflash = hf.get("dflash_config")
         if not isinstance(dflash, dict) or "mask_token_id" not in dflash:
             raise ConfigError("not a DFlash drafter config: dflash_config.mask_token_id is missing")
-        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "num_target_layers", "block_size", "vocab_size"):
+        for key in ("num_target_layers", "block_size"):
             if key not in hf:
                 raise ConfigError(f"drafter config.json lacks {key!r}")
-        heads = hf["num_attention_heads"]
+        shape = cls.shape_from_hf(hf, max_position_embeddings=40960)
         layer_ids = dflash.get("target_layer_ids") or default_target_layer_ids(
-            hf["num_target_layers"], hf["num_hidden_layers"]
+            hf["num_target_layers"], shape["num_layers"]
         )
         return cls(
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            rope_theta=float(rope_theta(hf)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
+            **shape,
             block_size=int(hf["block_size"]),
             mask_token_id=int(dflash["mask_token_id"]),
             target_layer_ids=tuple(int(i) for i in layer_ids),
             num_target_layers=int(hf["num_target_layers"]),
-            vocab_size=int(hf["vocab_size"]),
             attention_bias=bool(hf.get("attention_bias", False)),
             retrace=ReTraceConfig.from_hf(hf.get("retrace_config")),
             draft_vocab_size=hf.get("draft_vocab_size"),
@@ -127,22 +109,11 @@ class DrafterConfig:
             "model_type": "qwen3",
             "block_size": self.block_size,
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
-            "num_hidden_layers": self.num_layers,
+            **self.shape_to_hf(),
             "num_target_layers": self.num_target_layers,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "max_position_embeddings": self.max_position_embeddings,
             "layer_types": ["full_attention"] * self.num_layers,
             "tie_word_embeddings": False,
-            "vocab_size": self.vocab_size,
             "attention_bias": self.attention_bias,
-            "attention_dropout": 0.0,
         }
         if self.retrace is not None:
             hf["retrace_config"] = self.retrace.to_hf()
@@ -174,8 +145,7 @@ class DFlashDrafter(nnx.Module):
         return self.fc.kernel.dtype
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
-        cfg = self.cfg
-        return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype or self.dtype)
+        return KVCache.for_decoder(self.cfg, batch, max_len, dtype or self.dtype)
 
     def context_kv(self, features_btf, positions_bt):
         """Per-layer ``(k, v)`` of the fused target features ``[B, T, n*d]`` at their positions."""

@@ -31,6 +31,12 @@ class KVCache:
         # by XLA into one buffer, which then needs a full copy per cache before the in-place writes.
         return cls(jnp.zeros(shape, dtype), jnp.full(shape, -0.0, dtype), jnp.zeros((batch,), jnp.int32))
 
+    @classmethod
+    def for_decoder(cls, cfg, batch: int, max_len: int, dtype) -> "KVCache":
+        """An empty cache for a stack of decoder blocks of shape ``cfg``
+        (a :class:`~retrace_jax.models.config.DecoderShape`: the target's or a drafter's config)."""
+        return cls.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype)
+
     @property
     def max_len(self) -> int:
         return self.k.shape[2]

@@ -58,8 +58,7 @@ class TargetModel(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         """An empty cache for ``max_len`` positions per row, in ``dtype`` (default: the model's)."""
-        cfg = self.cfg
-        return KVCache.zeros(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype or self.dtype)
+        return KVCache.for_decoder(self.cfg, batch, max_len, dtype or self.dtype)
 
     def embed(self, tokens_bt):
         return self.embed_tokens(tokens_bt)

@@ -1,6 +1,6 @@
 """Sharding by logical axis names: one table maps them to the mesh axes ``data``, ``fsdp``, ``tensor``.
 
-Parameters name their dimensions with logical axes (in the checkpoint mapping tables of ``hf_io``);
+Parameters name their dimensions with logical axes (in the weight tables of ``retrace_jax/io/weights.py``);
 activations and caches do the same here. Heads, KV heads, MLP width and vocabulary go over ``tensor``
 (tensor parallelism), the model dimension over ``fsdp`` (fully sharded parameters), the batch over
 ``data`` (and ``fsdp``).
@@ -34,23 +34,36 @@ def make_mesh(spec: str | dict[str, int] | None = None, devices: Sequence | None
     devices = list(jax.devices() if devices is None else devices)
     sizes = {"data": len(devices), "fsdp": 1, "tensor": 1} if spec is None else {"data": 1, "fsdp": 1, "tensor": 1}
     if isinstance(spec, str):
-        items = {}
-        for part in filter(None, (p.strip() for p in spec.split(","))):
-            name, sep, value = part.partition("=")
-            if not sep or not value.strip().isdigit():
-                raise ValueError(f"mesh spec entries look like 'tensor=4', got {part!r}")
-            items[name.strip()] = int(value)
-        spec = items
+        spec = parse_mesh_spec(spec)
     for name, size in (spec or {}).items():
-        if name not in MESH_AXES:
-            raise ValueError(f"unknown mesh axis {name!r}; the axes are {', '.join(MESH_AXES)}")
-        if size < 1:
-            raise ValueError(f"mesh axis {name} must have size >= 1, got {size}")
+        _check_axis(name, size)
         sizes[name] = size
     total = math.prod(sizes.values())
     if total != len(devices):
         raise ValueError(f"mesh {sizes} needs {total} devices, but {len(devices)} are available")
     return Mesh(np.asarray(devices).reshape([sizes[a] for a in MESH_AXES]), MESH_AXES)
+
+
+def parse_mesh_spec(spec: str) -> dict[str, int]:
+    """``"data=2,tensor=4"`` -> ``{"data": 2, "tensor": 4}``; a malformed entry, an unknown axis, a size
+    below 1 or an axis named twice is a ``ValueError``."""
+    sizes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, value = (s.strip() for s in part.partition("="))
+        if not sep or not value.isdigit():
+            raise ValueError(f"mesh spec entries look like 'tensor=4', got {part!r}")
+        if name in sizes:
+            raise ValueError(f"mesh axis {name!r} is named twice in {spec!r}")
+        _check_axis(name, int(value))
+        sizes[name] = int(value)
+    return sizes
+
+
+def _check_axis(name: str, size: int) -> None:
+    if name not in MESH_AXES:
+        raise ValueError(f"unknown mesh axis {name!r}; the axes are {', '.join(MESH_AXES)}")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"mesh axis {name} must have an integer size >= 1, got {size!r}")
 
 
 def axis_size(mesh: Mesh, logical: str) -> int:

@@ -7,7 +7,7 @@ documentation and the validation of every key.
 Loading checks everything that would otherwise fail deep inside a run (often inside traced code): an
 unknown key, a value of the wrong type, a learning rate that is not positive, a clip of 0, a bad
 ``gamma`` or ``correction_source``. All problems are reported at once, each named by its key. Sections
-also read like the dicts of earlier versions (``cfg["train"]["steps"]``).
+also read like plain dicts (``cfg["train"]["steps"]``), so code written for the dict form keeps working.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import yaml
 
 from retrace_jax.errors import ConfigError
 from retrace_jax.models.retrace import SIGNALS
+from retrace_jax.parallel.sharding import parse_mesh_spec
 
 OBJECTIVES = ("dflash", "retrace")
 CORRECTION_SOURCES = ("verify", "teacher")
@@ -267,13 +268,10 @@ class TrainSection(Section):
         if self.feature_cache is True and self.objective == "retrace":
             out.append(f"{where}feature_cache serves the dflash objective only (ReTrace runs the target on drafts)")
         if self.mesh is not None:
-            from retrace_jax.parallel.sharding import MESH_AXES
-
-            for part in filter(None, (p.strip() for p in str(self.mesh).split(","))):
-                name, sep, value = part.partition("=")
-                if not sep or not value.strip().isdigit() or name.strip() not in MESH_AXES:
-                    out.append(f"{where}mesh entries look like 'fsdp=4' with axes {', '.join(MESH_AXES)}, "
-                               f"got {part!r}")
+            try:
+                parse_mesh_spec(str(self.mesh))
+            except ValueError as err:
+                out.append(f"{where}mesh: {err}")
         return out
 
 
@@ -407,12 +405,12 @@ DEFAULTS = TrainConfig().to_dict()
 
 
 def as_config(cfg) -> TrainConfig:
-    """A :class:`TrainConfig` from itself or from a plain dict (the form of earlier versions)."""
+    """A :class:`TrainConfig` from itself or from a plain dict (the dict form is still accepted)."""
     return cfg if isinstance(cfg, TrainConfig) else from_dict(cfg)
 
 
 def __getattr__(name: str):
-    if name == "ConfigurationError":  # the name before 0.2.0
+    if name == "ConfigurationError":  # the deprecated name of ConfigError
         warnings.warn("ConfigurationError is now retrace_jax.ConfigError (one error type for every "
                       "configuration); the old name will be removed", DeprecationWarning, stacklevel=2)
         return ConfigError

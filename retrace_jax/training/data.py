@@ -96,18 +96,24 @@ def read_jsonl(path: str) -> Iterator[tuple[int, dict]]:
         raise DataError(f"{path}:{n + 1}: not UTF-8 text ({err.reason} at byte {err.start})") from None
 
 
+def prompt_records(path: str) -> Iterator[tuple[int, dict, list[dict]]]:
+    """(line number, record, chat up to its first user message) of each record of a prompt file."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"prompt file not found: {path}")
+    for n, record in read_jsonl(path):
+        if not isinstance(record, dict):
+            raise DataError(f"{path}:{n}: each line must be a JSON object")
+        yield n, record, first_user_turn(record, f"{path}:{n}")
+
+
 def read_prompts(path: str, limit: int | None = None) -> list[list[dict]]:
     """Chat prompts (message lists) from a JSONL file of ShareGPT, OpenAI-style or ``{"prompt": ...}``
     records. A record of the wrong shape (a message without content, empty ``turns``, ``conversations``
     that is not a list, no user turn) is a ``DataError`` naming the file, the line and the field; no
     record is skipped silently."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"prompt file not found: {path}")
     prompts = []
-    for n, record in read_jsonl(path):
-        if not isinstance(record, dict):
-            raise DataError(f"{path}:{n}: each line must be a JSON object")
-        prompts.append(first_user_turn(record, f"{path}:{n}"))
+    for _, _, chat in prompt_records(path):
+        prompts.append(chat)
         if limit is not None and len(prompts) >= limit:
             break
     if not prompts:

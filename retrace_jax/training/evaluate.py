@@ -25,7 +25,8 @@ from retrace_jax.training.feature_store import FeatureStore, store_key
 def evaluate(target, drafter, eval_ids, max_new_tokens: int, mesh, step: int) -> dict:
     """Real speculative generation on the held-out prompts: τ of the current drafter (every process
     calls this when the mesh spans processes)."""
-    if isinstance(max_new_tokens, dict) or hasattr(max_new_tokens, "eval_max_new_tokens"):  # the old signature
+    # The deprecated signature: the training config in place of max_new_tokens.
+    if isinstance(max_new_tokens, dict) or hasattr(max_new_tokens, "eval_max_new_tokens"):
         max_new_tokens = max_new_tokens["eval_max_new_tokens"]
     out = generate(target, eval_ids, max_new_tokens, drafter=drafter, mesh=mesh)
     return {"event": "eval", "step": step, "eval_tau": round(out.tau(), 4), "eval_tau_pooled": round(out.tau_pooled(), 4)}
@@ -54,7 +55,7 @@ def export_drafter(drafter, path: str) -> str:
     return path
 
 
-FEATURE_CACHE_LIMIT = 16 << 30  # kept for earlier callers: the feature cache is on disk now (feature_store.py)
+FEATURE_CACHE_LIMIT = 16 << 30  # unused, still importable: the feature cache is on disk (feature_store.py)
 
 
 def cached_features(target, layer_ids, data: SequenceData, batch_size: int, log, store_root: str,

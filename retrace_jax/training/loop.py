@@ -50,7 +50,7 @@ class TrainingDiverged(FloatingPointError):
 
 
 def maybe_initialize_distributed(setting) -> None:
-    """Kept for earlier callers: see :func:`retrace_jax.parallel.distributed.initialize`."""
+    """An alias, still importable from here: see :func:`retrace_jax.parallel.distributed.initialize`."""
     initialize(setting)
 
 
@@ -122,8 +122,8 @@ def optimizer_for(cfg: TrainConfig):
 
 def run_settings(cfg: TrainConfig, drafter, num_sequences: int) -> dict:
     """What an exact resume must share with the run that wrote the checkpoint. (The mesh, the process
-    count, remat, logging and checkpoint intervals may change.) ``drafter``: the drafter (or, as before,
-    its config)."""
+    count, remat, logging and checkpoint intervals may change.) ``drafter``: the drafter, or its
+    config."""
     t = cfg.train
     drafter_cfg = getattr(drafter, "cfg", drafter)
     vocab = getattr(drafter, "draft_vocab", None)
@@ -139,7 +139,8 @@ def run_settings(cfg: TrainConfig, drafter, num_sequences: int) -> dict:
         "mask_token_id": drafter_cfg.mask_token_id,
         "retrace": drafter_cfg.retrace.to_hf() if drafter_cfg.retrace is not None else None,
         "num_sequences": num_sequences,
-        # A draft vocabulary by its digest (None: the whole vocabulary; absent from older checkpoints).
+        # A draft vocabulary by its digest (None: the whole vocabulary). A checkpoint whose settings lack
+        # a key is not compared on it (settings_differences).
         "draft_vocab": None if vocab is None else hashlib.sha256(
             np.asarray(jax.device_get(vocab.get_value()), np.int32).tobytes()).hexdigest()[:16],
     }
@@ -148,7 +149,7 @@ def run_settings(cfg: TrainConfig, drafter, num_sequences: int) -> dict:
 def check_resume(ckpts: Checkpoints, step: int, settings: dict, out: str) -> None:
     """Refuses, before anything is restored, to resume a checkpoint written with other settings."""
     saved = ckpts.read_meta(step)
-    if saved.get("objective") == "retrace" and "rounds" not in saved:  # written before K rounds: two rounds
+    if saved.get("objective") == "retrace" and "rounds" not in saved:  # saved without rounds: two rounds
         saved = {**saved, "rounds": 2}
     diff = settings_differences(saved, settings)
     if diff:

@@ -46,7 +46,7 @@ class Rollout(NamedTuple):
     memories: tuple[Memory, ...]  # [B, A*K, ...] the memory fused into rounds 2..K (one fewer entry)
     hidden: tuple[jax.Array, ...]  # [B, A*K, d] each round's drafter states
 
-    # The two-round names of earlier versions.
+    # Shorthands for rounds 1 and 2, the names of two-round training (the step's metrics read round1).
     round1 = property(lambda self: self.rounds[0])
     round2 = property(lambda self: self.rounds[1])
     accepted_ba = property(lambda self: self.accepted[0])  # a of round 1
