@@ -15,7 +15,7 @@ suffix position is reached).
 Greedy decoding only. The drafter's top-1 at a rejected slot is the token it proposed there; at slot
 ``a + 1`` it differs from the target's token by definition, so only its top-5 says anything. The
 rounds come from the library's ``SpeculativeStepper``, the same rounds as ``rj.generate`` (checked by
-``tests/test_rejected_alignment.py``). Default target and drafter: SmolLM2-135M-Instruct and the ReTrace
+``tests/benchmarks/test_rejected_alignment.py``). Default target and drafter: SmolLM2-135M-Instruct and the ReTrace
 drafter shipped for it (``rj.assets.shipped_drafter(model, "retrace")``), run with its memory on (``C``)
 and off (``C-off``: ``use_retrace=False``).
 """

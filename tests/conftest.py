@@ -9,7 +9,7 @@ os.environ["RETRACE_JAX_CACHE_DIR"] = ""
 # The tests run tiny models, so compiling dominates their time. Two XLA flags make XLA's CPU backend
 # compile their programs in about half the time; the compiled code runs slower. LLVM's optimisations
 # off leaves the HLO as it is; the elemental emitters instead of the MLIR fusion emitters also change
-# how XLA fuses (tests/test_inplace.py, which reads the optimised HLO, compiles with the emitters users
+# how XLA fuses (tests/decoding/test_inplace.py, which reads the optimised HLO, compiles with the emitters users
 # get). Measured on a tiny Qwen3 target with a two-layer drafter: 2.2 against 4.8 s of backend
 # compilation for plain decoding, 1.6-1.9 against 2.7-2.9 s for speculative decoding; the whole suite
 # took 7 min 0 s against 11 min 57 s. (At XLA's default optimisation level the elemental emitters

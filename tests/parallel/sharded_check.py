@@ -1,8 +1,8 @@
 """Run in its own process with N CPU devices (see test_sharding.py): sharded generation equals the
 single-device run, parameters and caches carry the intended shardings.
 
-    python tests/sharded_check.py WORKDIR                       # 8 devices, four meshes, four methods
-    python tests/sharded_check.py WORKDIR --devices 4 --mesh data=2,tensor=2 --methods plain,retrace
+    python tests/parallel/sharded_check.py WORKDIR                       # 8 devices, four meshes, four methods
+    python tests/parallel/sharded_check.py WORKDIR --devices 4 --mesh data=2,tensor=2 --methods plain,retrace
 """
 
 import argparse
@@ -30,7 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import retrace_jax as rj  # noqa: E402
 from retrace_jax.parallel.sharding import CACHE_AXES, named_sharding  # noqa: E402

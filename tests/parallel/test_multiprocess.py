@@ -1,7 +1,7 @@
 """Multi-process training and inference on one machine standing in for several hosts: two processes with
 4 CPU devices each against one process with 8, on the same (2, 2, 2) mesh and the same prepared data.
 
-Every run is a real ``train.py`` command (see tests/multiprocess.py); the processes meet through a local
+Every run is a real ``train.py`` command (see tests/parallel/multiprocess.py); the processes meet through a local
 coordinator and exchange collectives through gloo."""
 
 import json
@@ -15,7 +15,7 @@ import yaml
 from safetensors.numpy import load_file
 
 from retrace_jax.training.data import PrepareSettings, prepare_shards
-from tests import multiprocess as mp
+from tests.parallel import multiprocess as mp
 
 CONFIG = {
     "target": "tiny",
@@ -190,6 +190,6 @@ def test_kill_one_process_and_resume(workspace, two_process_run):
 @pytest.mark.slow
 def test_generation_on_a_mesh_across_processes(tmp_path):
     start = time.perf_counter()
-    logs = mp.run(["tests/multiprocess_generate.py", str(tmp_path)], 2, 4, str(tmp_path), "gen")
+    logs = mp.run(["tests/parallel/multiprocess_generate.py", str(tmp_path)], 2, 4, str(tmp_path), "gen")
     assert all(log.strip().endswith("ok") for log in logs), logs
     print(f"two-process generation: {time.perf_counter() - start:.1f} s")

@@ -17,7 +17,7 @@ from retrace_jax.training.loop import check_resume, run_settings, step_options
 from retrace_jax.training.retrace_loss import loss_weights
 from retrace_jax.training.step import StepOptions, adamw
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture()

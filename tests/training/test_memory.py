@@ -12,7 +12,7 @@ from retrace_jax.models.tiny import TINY_QWEN3
 from retrace_jax.training.config import from_dict, load_config
 from retrace_jax.training.memory import QWEN3_4B, abstract_step, per_device_bytes, step_memory
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_qwen3_4b_retrace_config_is_the_published_recipe_and_its_step_builds():

@@ -13,7 +13,7 @@ import retrace_jax as rj
 from retrace_jax.parallel.sharding import partition_spec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def _run_with_devices(script, tmp_path, devices=8, args=()):

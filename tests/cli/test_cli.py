@@ -11,7 +11,7 @@ import retrace_jax as rj
 import train
 from tests.helpers import save_word_tokenizer
 
-CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny_dflash.yaml")
+CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "tiny_dflash.yaml")
 
 
 def test_train_then_decode_tiny(tmp_path, capsys):

@@ -1,10 +1,10 @@
-"""One process of the multi-process inference test (tests/test_multiprocess.py): greedy plain and
+"""One process of the multi-process inference test (tests/parallel/test_multiprocess.py): greedy plain and
 speculative generation on a (2, 2, 2) mesh spanning the processes equal one process without a mesh."""
 
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from retrace_jax.parallel.distributed import initialize  # noqa: E402
 

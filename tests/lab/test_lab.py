@@ -14,7 +14,7 @@ import pytest
 import retrace_jax as rj
 from tests.helpers import hf_greedy
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _load_lab(name):

@@ -84,7 +84,7 @@ def test_a_partial_draft_vocabulary_is_lossless_and_proposes_only_its_tokens(qwe
     logits = np.asarray(info.draft_logits_bkv)
     outside = np.setdiff1d(np.arange(qwen3.cfg.vocab_size), ids)
     assert np.all(np.isneginf(logits[..., outside])) and np.all(np.isfinite(logits[..., ids]))
-    # Sampling stays exact in distribution (tests/test_sampling.py); here it runs and keeps to the vocabulary.
+    # Sampling stays exact in distribution (tests/decoding/test_sampling.py); here it runs and keeps to the vocabulary.
     sampled = rj.generate(qwen3, prompts[:4], 32, drafter=small, temperature=1.0, draft_rule="sample", seed=3)
     assert all(len(t) == 32 for t in sampled.tokens)
 
