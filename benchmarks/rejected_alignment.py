@@ -105,8 +105,8 @@ class Tally:
 
 
 @jax.jit
-def _top(draft_logits_bkv):
-    return jax.lax.top_k(draft_logits_bkv, TOP)[1]
+def _top(draft_logits_bjv):
+    return jax.lax.top_k(draft_logits_bjv, TOP)[1]
 
 
 def stepped_generate(target, drafter, prompts, max_new_tokens: int, *, stop_token_ids=(), use_retrace=True,
@@ -127,7 +127,7 @@ def stepped_generate(target, drafter, prompts, max_new_tokens: int, *, stop_toke
     while not stepper.done:
         info = stepper.step()
         if on_round is not None:
-            on_round(jax.device_get(info._replace(draft_logits_bkv=None)), np.asarray(_top(info.draft_logits_bkv)))
+            on_round(jax.device_get(info._replace(draft_logits_bjv=None)), np.asarray(_top(info.draft_logits_bjv)))
     out_tokens, num = jax.device_get((stepper.carry.buf.tokens, stepper.carry.buf.num))
     return [out_tokens[b, : num[b]].tolist() for b in range(batch)], lens, block_size
 

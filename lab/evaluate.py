@@ -1,4 +1,4 @@
-"""The A/B/C evaluation of the laboratory pair (issue 14): τ of each drafter on held-out code, at T = 0
+"""The A/B/C evaluation of the laboratory pair: τ of each drafter on held-out code, at T = 0
 and T = 1, both conventions, with bootstrap confidence intervals of ratios over prompts and seeds.
 
     python lab/evaluate.py --drafter A=lab/drafters/A \\

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The laboratory A/B/C experiment of issue 14 (lab/README.md, "The drafters"; docs/results.md), stage by
+# The laboratory A/B/C experiment (lab/README.md, "The drafters"; docs/results.md), stage by
 # stage. A train.py run resumes from its last Orbax checkpoint, and a run whose metrics.jsonl records
 # "done" is skipped, so rerunning the script continues where it stopped. Work files go to lab/work/
 # (ignored by git).

@@ -7,13 +7,11 @@ import pytest
 os.environ["RETRACE_JAX_CACHE_DIR"] = ""
 
 # The tests run tiny models, so compiling dominates their time. Two XLA flags make XLA's CPU backend
-# compile their programs in about half the time; the compiled code runs slower. LLVM's optimisations
-# off leaves the HLO as it is; the elemental emitters instead of the MLIR fusion emitters also change
-# how XLA fuses (tests/decoding/test_inplace.py, which reads the optimised HLO, compiles with the emitters users
-# get). Measured on a tiny Qwen3 target with a two-layer drafter: 2.2 against 4.8 s of backend
-# compilation for plain decoding, 1.6-1.9 against 2.7-2.9 s for speculative decoding; the whole suite
-# took 7 min 0 s against 11 min 57 s. (At XLA's default optimisation level the elemental emitters
-# compile the demo's programs three to five times more slowly, so only the tests use them.)
+# compile their programs in about half the time (docs/performance.md measures it); the compiled code
+# runs slower. LLVM's optimisations off leaves the HLO as it is; the elemental emitters instead of the
+# MLIR fusion emitters also change how XLA fuses (tests/decoding/test_inplace.py, which reads the
+# optimised HLO, compiles with the emitters users get). At XLA's default optimisation level the
+# elemental emitters compile large programs more slowly, so only the tests use them.
 # RETRACE_JAX_TEST_OPTIMIZE=1 keeps XLA's defaults (the suite passes either way). Set before jax is
 # imported; the tests that start processes pass them on through the environment.
 TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")

@@ -8,6 +8,13 @@ Shape letters used across the library:
     G  query heads per KV head         D  head dim (``d``: model width)
     C  cache slots per chunk           E  extra keys attended next to the cache (the drafter's block)
     V  vocabulary                      U  draft vocabulary (``retrace_jax/models/draft_vocab.py``)
+    W  slots of a drafted block        J  drafted slots of a block (J = W - 1 = block_size - 1)
+    A  blocks (anchors) per sequence   R  rounds (the speculative loop's, ReTrace training's)
+    P  padded prompt length            F  concatenated target features (number of layers * d)
+    N  rows of a flattened batch       O  output capacity (new tokens a row can hold)
+
+Capital ``D`` is a head's width and lowercase ``d`` the model's (``x_btd``, ``q_bthd``). Every other
+letter has one meaning; a new shape letter joins this table before it is used.
 
 Two implementations share one meaning:
 

@@ -13,7 +13,7 @@ from flax import struct
 
 @struct.dataclass
 class OutputBuffer:
-    tokens: jax.Array  # [B, N] new tokens; entries >= num[b] are padding
+    tokens: jax.Array  # [B, O] new tokens (O: the output capacity); entries >= num[b] are padding
     num: jax.Array  # [B] int32: tokens committed so far
     done: jax.Array  # [B] bool: stop token committed or max_new_tokens reached
 
@@ -23,16 +23,16 @@ class OutputBuffer:
         return cls(jnp.zeros((batch, capacity), jnp.int32), jnp.zeros((batch,), jnp.int32), done)
 
 
-def commit(buf: OutputBuffer, new_bk, count_b, max_new, stop_ids) -> OutputBuffer:
+def commit(buf: OutputBuffer, new_bt, count_b, max_new, stop_ids) -> OutputBuffer:
     """Appends ``new[b, :count[b]]`` to each unfinished row.
 
     A row keeps tokens up to and including its first stop token and never more than ``max_new`` in
     all; it is then done and later commits leave it unchanged. ``stop_ids`` is padded with -1.
     """
-    batch, k = new_bk.shape
-    slot = jnp.arange(k, dtype=jnp.int32)[None, :]  # [1, K]
+    batch, k = new_bt.shape
+    slot = jnp.arange(k, dtype=jnp.int32)[None, :]  # [1, T]
     offered = slot < count_b[:, None]
-    is_stop = offered & jnp.any(new_bk[:, :, None] == stop_ids[None, None, :], axis=-1)
+    is_stop = offered & jnp.any(new_bt[:, :, None] == stop_ids[None, None, :], axis=-1)
     first_stop = jnp.where(jnp.any(is_stop, -1), jnp.argmax(is_stop, -1), k)  # [B]
     take = jnp.minimum(jnp.minimum(count_b, first_stop + 1), max_new - buf.num)
     take = jnp.where(buf.done, 0, jnp.maximum(take, 0))
@@ -40,7 +40,7 @@ def commit(buf: OutputBuffer, new_bk, count_b, max_new, stop_ids) -> OutputBuffe
     capacity = buf.tokens.shape[1]
     pos = jnp.where(keep, buf.num[:, None] + slot, capacity)  # out-of-range index: dropped
     rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, k))
-    tokens = buf.tokens.at[rows, pos].set(new_bk.astype(jnp.int32), mode="drop")
+    tokens = buf.tokens.at[rows, pos].set(new_bt.astype(jnp.int32), mode="drop")
     num = buf.num + take
     hit_stop = jnp.any(is_stop & keep, axis=-1)
     return OutputBuffer(tokens, num, buf.done | hit_stop | (num >= max_new))

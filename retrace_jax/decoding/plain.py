@@ -31,7 +31,7 @@ class PlainCarry:
 class StepConstants:
     keys_b: jax.Array  # [B, 2] each row's random stream
     max_new: jax.Array  # int32 scalar
-    stop_ids: jax.Array  # [N] int32, padded with -1
+    stop_ids: jax.Array  # int32, one entry per stop token, padded with -1
     sampling: SamplingParams
     mode: SamplingMode = struct.field(pytree_node=False, default=SamplingMode())
     mesh: object = struct.field(pytree_node=False, default=None)

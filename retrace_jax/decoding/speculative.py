@@ -15,6 +15,7 @@ Python driver that runs one jitted round at a time (debugging, per-round statist
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -64,9 +65,20 @@ class RoundInfo(NamedTuple):
     active_b: jax.Array  # [B] the row was still generating
     start_b: jax.Array  # [B] the block's first position
     accepted_b: jax.Array  # [B] a
-    proposals_bk: jax.Array  # [B, K] the drafter's tokens for block slots 1..K
-    tokens_bk: jax.Array  # [B, K + 1] the round's tokens; the first a + 1 are committed
-    draft_logits_bkv: jax.Array  # [B, K, V] (-inf outside a draft vocabulary)
+    proposals_bj: jax.Array  # [B, J] the drafter's tokens for block slots 1..J
+    tokens_bw: jax.Array  # [B, W] the round's tokens; the first a + 1 are committed
+    draft_logits_bjv: jax.Array  # [B, J, V] (-inf outside a draft vocabulary)
+
+    # The field names before 0.2.0, when K stood for both KV heads and drafted slots.
+    proposals_bk = property(lambda self: _renamed(self, "proposals_bk", "proposals_bj"))
+    tokens_bk = property(lambda self: _renamed(self, "tokens_bk", "tokens_bw"))
+    draft_logits_bkv = property(lambda self: _renamed(self, "draft_logits_bkv", "draft_logits_bjv"))
+
+
+def _renamed(info: RoundInfo, old: str, new: str):
+    warnings.warn(f"RoundInfo.{old} is now RoundInfo.{new}; the old name will be removed", DeprecationWarning,
+                  stacklevel=3)
+    return getattr(info, new)
 
 
 def draft_block(target, drafter, anchor_b, draft_cache: KVCache, block_size: int, memory: Memory | None = None,
@@ -78,37 +90,37 @@ def draft_block(target, drafter, anchor_b, draft_cache: KVCache, block_size: int
     return drafter.draft(target.embed(block), draft_cache, memory, attention=attention)
 
 
-def make_proposals(keys_b, draft_logits_bkv, sampling: SamplingParams, mode: SamplingMode,
+def make_proposals(keys_b, draft_logits_bjv, sampling: SamplingParams, mode: SamplingMode,
                    head: DraftHead | None = None):
-    """The drafter's tokens ``[B, K]``: argmax (``draft_rule`` "argmax", "target_sample" and greedy), or
+    """The drafter's tokens ``[B, J]``: argmax (``draft_rule`` "argmax", "target_sample" and greedy), or
     draws from its filtered distribution q (``draft_rule="sample"``). With a draft vocabulary ``head``
-    the logits are ``[B, K, U]`` over it, and the tokens come back as target ids."""
+    the logits are ``[B, J, U]`` over it, and the tokens come back as target ids."""
     if mode.sample and mode.draft_rule == "sample":
         keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys_b)
-        index = jax.vmap(jax.random.categorical)(keys, sampling.logprobs(draft_logits_bkv, mode))
+        index = jax.vmap(jax.random.categorical)(keys, sampling.logprobs(draft_logits_bjv, mode))
     else:
-        index = jnp.argmax(draft_logits_bkv, -1)
+        index = jnp.argmax(draft_logits_bjv, -1)
     return to_target_ids(head, index.astype(jnp.int32))
 
 
-def verify_round(keys_b, proposals_bk, draft_logits_bkv, target_logits_bjv, sampling: SamplingParams,
+def verify_round(keys_b, proposals_bj, draft_logits_bjv, target_logits_bwv, sampling: SamplingParams,
                  mode: SamplingMode, head: DraftHead | None = None):
-    """Accepted count ``a`` and the round's tokens ``[B, K + 1]``, of which the first ``a + 1`` are
+    """Accepted count ``a`` and the round's tokens ``[B, W]``, of which the first ``a + 1`` are
     committed. Greedy: exact match with the target's argmax; ``draft_rule="target_sample"``: match with
     the target's own samples (the official DFlash rule); else rejection sampling."""
     if not mode.sample:
-        choice = jnp.argmax(target_logits_bjv, -1).astype(jnp.int32)
-        a = accepted_count(proposals_bk, choice)
-        return a, committed_tokens(proposals_bk, choice, a)
+        choice = jnp.argmax(target_logits_bwv, -1).astype(jnp.int32)
+        a = accepted_count(proposals_bj, choice)
+        return a, committed_tokens(proposals_bj, choice, a)
     keys = jax.vmap(lambda k: jax.random.fold_in(k, 2))(keys_b)
     if mode.draft_rule == "target_sample":
-        return target_sample_match(keys, proposals_bk, sampling.logprobs(target_logits_bjv, mode))
+        return target_sample_match(keys, proposals_bj, sampling.logprobs(target_logits_bwv, mode))
     draft_logp = None
     if mode.draft_rule == "sample":  # q over the whole vocabulary (zero outside a draft vocabulary)
-        vocab = target_logits_bjv.shape[-1]
-        draft_logp = to_full_vocab(head, sampling.logprobs(draft_logits_bkv, mode), vocab)
-    a, next_b = rejection_sample(keys, proposals_bk, sampling.logprobs(target_logits_bjv, mode), draft_logp)
-    return a, committed_tokens(proposals_bk, jnp.broadcast_to(next_b[:, None], target_logits_bjv.shape[:2]), a)
+        vocab = target_logits_bwv.shape[-1]
+        draft_logp = to_full_vocab(head, sampling.logprobs(draft_logits_bjv, mode), vocab)
+    a, next_b = rejection_sample(keys, proposals_bj, sampling.logprobs(target_logits_bwv, mode), draft_logp)
+    return a, committed_tokens(proposals_bj, jnp.broadcast_to(next_b[:, None], target_logits_bwv.shape[:2]), a)
 
 
 def speculative_init(models, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampling: SamplingParams, *,
@@ -161,7 +173,7 @@ def speculative_round(models, consts: RoundConstants, c: SpecCarry) -> tuple[Spe
     # CPU the speculative programs send several-row products to Eigen (decoding/programs.py), which
     # multiplies 7 rows by a large vocabulary far more slowly than 8 (docs/performance.md measures it);
     # on accelerators the extra row costs next to nothing.
-    draft_logits = head_logits(target, head, draft_hidden)[:, 1:]  # [B, K, U] ([B, K, V] without a draft vocab)
+    draft_logits = head_logits(target, head, draft_hidden)[:, 1:]  # [B, J, U] ([B, J, V] without a draft vocab)
     keys = step_keys(consts.keys_b, c.rounds_b + 1)
     proposals = make_proposals(keys, draft_logits, consts.sampling, mode, head)
     block = jnp.concatenate([c.anchor_b[:, None], proposals], axis=1)

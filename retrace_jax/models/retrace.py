@@ -82,26 +82,26 @@ class ReTraceFusion(nnx.Module):
         if cfg.gate:
             self.gate = Projection(2 * d_draft, d_draft, cfg.rank, dtype, rngs)
 
-    def __call__(self, emb_bkd, memory: "Memory", beta=1.0):
-        """Fuses the memory into the block's input embeddings ``[B, K, d]``."""
-        mem_d = memory.mem_d.astype(emb_bkd.dtype)
-        mem_t = memory.mem_t.astype(emb_bkd.dtype)
+    def __call__(self, emb_bwd, memory: "Memory", beta=1.0):
+        """Fuses the memory into the block's input embeddings ``[B, W, d]``."""
+        mem_d = memory.mem_d.astype(emb_bwd.dtype)
+        mem_t = memory.mem_t.astype(emb_bwd.dtype)
         signal = {"drafter": mem_d, "target": mem_t, "both": jnp.concatenate([mem_d, mem_t], -1)}[self.cfg.signals]
         base = mem_d if self.cfg.signals != "target" else jnp.zeros_like(mem_d)
         r = base + beta * self.correct(signal)
         residual = self.value(r)
         if self.cfg.gate:
-            residual = residual * jax.nn.sigmoid(self.gate(jnp.concatenate([emb_bkd, r], -1)))
-        return emb_bkd + jnp.where(memory.valid[..., None], residual, 0).astype(emb_bkd.dtype)
+            residual = residual * jax.nn.sigmoid(self.gate(jnp.concatenate([emb_bwd, r], -1)))
+        return emb_bwd + jnp.where(memory.valid[..., None], residual, 0).astype(emb_bwd.dtype)
 
 
 @struct.dataclass
 class Memory:
     """The rejected-suffix buffer, one entry per next-block slot."""
 
-    mem_d: jax.Array  # [B, K, d_draft] the drafter's rejected final-norm states
-    mem_t: jax.Array  # [B, K, d_target] the target's states that scored them
-    valid: jax.Array  # [B, K] bool
+    mem_d: jax.Array  # [B, W, d_draft] the drafter's rejected final-norm states
+    mem_t: jax.Array  # [B, W, d_target] the target's states that scored them
+    valid: jax.Array  # [B, W] bool
 
     @classmethod
     def empty(cls, batch: int, block_size: int, d_draft: int, d_target: int, dtype):
@@ -109,15 +109,15 @@ class Memory:
                    jnp.zeros((batch, block_size), bool))
 
 
-def shift_memory(draft_hidden_bkd, target_hidden_bkd, accepted_b) -> Memory:
+def shift_memory(draft_hidden_bwd, target_hidden_bwd, accepted_b) -> Memory:
     """The next round's memory after ``a`` acceptances: slot ``j`` takes drafter slot ``a+1+j`` and
-    verify slot ``a+j``, valid for ``1 <= j <= K-2-a`` (gathers on clipped indices; no gradient)."""
-    k = draft_hidden_bkd.shape[1]
-    j = jnp.arange(k)[None, :]
+    verify slot ``a+j``, valid for ``1 <= j <= W-2-a`` (gathers on clipped indices; no gradient)."""
+    w = draft_hidden_bwd.shape[1]
+    j = jnp.arange(w)[None, :]
     a = accepted_b[:, None]
-    valid = (j >= 1) & (j <= k - 2 - a)
-    idx_d = jnp.clip(a + 1 + j, 0, k - 1)
-    idx_t = jnp.clip(a + j, 0, k - 1)
-    mem_d = jnp.take_along_axis(draft_hidden_bkd, idx_d[..., None], axis=1)
-    mem_t = jnp.take_along_axis(target_hidden_bkd, idx_t[..., None], axis=1)
+    valid = (j >= 1) & (j <= w - 2 - a)
+    idx_d = jnp.clip(a + 1 + j, 0, w - 1)
+    idx_t = jnp.clip(a + j, 0, w - 1)
+    mem_d = jnp.take_along_axis(draft_hidden_bwd, idx_d[..., None], axis=1)
+    mem_t = jnp.take_along_axis(target_hidden_bwd, idx_t[..., None], axis=1)
     return jax.lax.stop_gradient(Memory(mem_d, mem_t, valid))

@@ -43,11 +43,11 @@ def sample_anchors(key, loss_mask_bs, num_anchors: int, block_size: int):
 
 
 class BlockBatch(NamedTuple):
-    tokens_bak: jax.Array  # [B, A, K] block inputs: x[anchor], then MASK
-    positions_bak: jax.Array  # [B, A, K]
-    labels_bak: jax.Array  # [B, A, K] x[anchor + k]
-    weights_bak: jax.Array  # [B, A, K] loss weight (0 for slot 0, padding and non-response labels)
-    mask_bt_st: jax.Array  # [B, A*K, S + A*K] attention visibility
+    tokens_baw: jax.Array  # [B, A, W] block inputs: x[anchor], then MASK
+    positions_baw: jax.Array  # [B, A, W]
+    labels_baw: jax.Array  # [B, A, W] x[anchor + k]
+    weights_baw: jax.Array  # [B, A, W] loss weight (0 for slot 0, padding and non-response labels)
+    mask_bt_st: jax.Array  # [B, A*W, S + A*W] attention visibility
 
 
 def build_blocks(tokens_bs, loss_mask_bs, anchors_ba, valid_ba, block_size: int, mask_token_id: int,
@@ -55,7 +55,7 @@ def build_blocks(tokens_bs, loss_mask_bs, anchors_ba, valid_ba, block_size: int,
     b, s = tokens_bs.shape
     a = anchors_ba.shape[1]
     k = jnp.arange(block_size)
-    positions = anchors_ba[:, :, None] + k  # [B, A, K]
+    positions = anchors_ba[:, :, None] + k  # [B, A, W]
     inside = positions < s
     safe = jnp.minimum(positions, s - 1).reshape(b, -1)
     labels = jnp.take_along_axis(tokens_bs, safe, 1).reshape(b, a, block_size)
@@ -67,7 +67,7 @@ def build_blocks(tokens_bs, loss_mask_bs, anchors_ba, valid_ba, block_size: int,
 
 
 def block_visibility(anchors_ba, seq_len: int, block_size: int, causal: bool):
-    """``[B, A*K, S + A*K]``: each block slot sees the sequence strictly before its block's anchor and
+    """``[B, A*W, S + A*W]``: each block slot sees the sequence strictly before its block's anchor and
     its own block (all of it, or with ``causal`` only the slots up to itself), never another block."""
     b, a = anchors_ba.shape
     t = a * block_size
@@ -113,24 +113,24 @@ def sequence_context(drafter: DFlashDrafter, features_bsf):
 
 def draft_blocks(drafter: DFlashDrafter, target: TargetModel, ctx_kv, blocks: BlockBatch, memory=None, beta=1.0,
                  remat=False):
-    """Drafter final-norm hidden states of every block slot ``[B, A, K, d]`` (a ReTrace ``memory``
-    ``[B, A*K, ...]`` is fused into the block embeddings first)."""
-    b, a, k = blocks.tokens_bak.shape
-    emb = batch_sharded(target.embed(blocks.tokens_bak.reshape(b, a * k)).astype(drafter.dtype))
+    """Drafter final-norm hidden states of every block slot ``[B, A, W, d]`` (a ReTrace ``memory``
+    ``[B, A*W, ...]`` is fused into the block embeddings first)."""
+    b, a, k = blocks.tokens_baw.shape
+    emb = batch_sharded(target.embed(blocks.tokens_baw.reshape(b, a * k)).astype(drafter.dtype))
     if memory is not None:
         emb = batch_sharded(drafter.retrace(emb, memory, beta))
-    hidden = drafter.forward(emb, blocks.positions_bak.reshape(b, a * k), ctx_kv, blocks.mask_bt_st, remat=remat)
+    hidden = drafter.forward(emb, blocks.positions_baw.reshape(b, a * k), ctx_kv, blocks.mask_bt_st, remat=remat)
     return batch_sharded(hidden).reshape(b, a, k, -1)
 
 
 class LossMetrics(NamedTuple):
     loss: jax.Array
-    slot_accuracy: jax.Array  # [K]: top-1 accuracy per block slot (slot 0 is the given token)
+    slot_accuracy: jax.Array  # [W]: top-1 accuracy per block slot (slot 0 is the given token)
     tau: jax.Array  # mean over blocks of 1 + leading correct slots: the acceptance length they imply
 
 
 def slot_loss(logits_bajv, labels_baj, weights_baj) -> LossMetrics:
-    """Loss and metrics of the drafted slots ``1..K-1`` of each block (``J = K - 1``; the given slot 0
+    """Loss and metrics of the drafted slots ``1..W-1`` of each block (``J = W - 1``; the given slot 0
     has no loss). A label ``-1`` is a token outside the draft vocabulary: its slot counts as wrong and
     adds no loss (no logit can score it)."""
     learnable = labels_baj >= 0
@@ -148,18 +148,18 @@ def slot_loss(logits_bajv, labels_baj, weights_baj) -> LossMetrics:
     return LossMetrics(loss, jnp.concatenate([jnp.zeros((1,), slot_acc.dtype), slot_acc]), tau)
 
 
-def block_loss(logits_bakv, blocks: BlockBatch) -> LossMetrics:
+def block_loss(logits_bawv, blocks: BlockBatch) -> LossMetrics:
     """:func:`slot_loss` of full-vocabulary logits of every slot (slot 0 included and ignored)."""
-    return slot_loss(logits_bakv[:, :, 1:], blocks.labels_bak[:, :, 1:], blocks.weights_bak[:, :, 1:])
+    return slot_loss(logits_bawv[:, :, 1:], blocks.labels_baw[:, :, 1:], blocks.weights_baw[:, :, 1:])
 
 
-def score_blocks(target: TargetModel, head: DraftHead | None, hidden_bakd, blocks: BlockBatch):
-    """The loss metrics of drafted blocks and their proposals ``[B, A, K-1]`` (the argmax of each slot, as
+def score_blocks(target: TargetModel, head: DraftHead | None, hidden_bawd, blocks: BlockBatch):
+    """The loss metrics of drafted blocks and their proposals ``[B, A, J]`` (the argmax of each slot, as
     target token ids). The LM head runs on the drafted slots only, over the draft vocabulary of ``head``
     (:func:`~retrace_jax.models.draft_vocab.draft_head`; None: the whole vocabulary)."""
-    logits = batch_sharded(head_logits(target, head, hidden_bakd[:, :, 1:]))
-    labels = to_draft_index(head, blocks.labels_bak[:, :, 1:], target.cfg.vocab_size)
-    metrics = slot_loss(logits, labels, blocks.weights_bak[:, :, 1:])
+    logits = batch_sharded(head_logits(target, head, hidden_bawd[:, :, 1:]))
+    labels = to_draft_index(head, blocks.labels_baw[:, :, 1:], target.cfg.vocab_size)
+    metrics = slot_loss(logits, labels, blocks.weights_baw[:, :, 1:])
     return metrics, to_target_ids(head, jnp.argmax(logits, -1).astype(jnp.int32))
 
 

@@ -1,4 +1,4 @@
-"""ReTrace training: the K-round on-policy rollout of ``docs/retrace.md`` in fixed shapes.
+"""ReTrace training: the R-round on-policy rollout of ``docs/retrace.md`` in fixed shapes.
 
 Round 1 drafts every anchored block as DFlash does (no memory) and counts ``a``, the leading proposals
 that match the sequence (the target's own response, so a match is an acceptance). The verify signal
@@ -37,14 +37,14 @@ DEFAULT_ROUNDS = 4
 
 
 class Rollout(NamedTuple):
-    """Everything of the K rounds, one tuple entry per round (round 1 first)."""
+    """Everything of the R rounds, one tuple entry per round (round 1 first)."""
 
     rounds: tuple[LossMetrics, ...]
     accepted: tuple[jax.Array, ...]  # [B, A] a of each round
     anchors: tuple[jax.Array, ...]  # [B, A] each round's anchors (clipped into the sequence)
     valid: tuple[jax.Array, ...]  # [B, A] each round's valid blocks (a round past the sequence is not)
-    memories: tuple[Memory, ...]  # [B, A*K, ...] the memory fused into rounds 2..K (one fewer entry)
-    hidden: tuple[jax.Array, ...]  # [B, A*K, d] each round's drafter states
+    memories: tuple[Memory, ...]  # [B, A*W, ...] the memory fused into rounds 2..R (one fewer entry)
+    hidden: tuple[jax.Array, ...]  # [B, A*W, d] each round's drafter states
 
     # Shorthands for rounds 1 and 2, the names of two-round training (the step's metrics read round1).
     round1 = property(lambda self: self.rounds[0])
@@ -73,13 +73,13 @@ def loss_weights(rounds: int = DEFAULT_ROUNDS, weights=None, round1_weight=None)
     return tuple(float(w) for w in weights)
 
 
-def verify_blocks(target: TargetModel, seq_cache, blocks_bak, anchors_ba):
-    """The target's final-norm states of drafted blocks ``[B, A, K, d]``: block ``i`` sits at positions
-    ``anchor_i + 0..K-1``, sees the sequence strictly before its anchor and its own earlier slots."""
-    b, a, k = blocks_bak.shape
+def verify_blocks(target: TargetModel, seq_cache, blocks_baw, anchors_ba):
+    """The target's final-norm states of drafted blocks ``[B, A, W, d]``: block ``i`` sits at positions
+    ``anchor_i + 0..W-1``, sees the sequence strictly before its anchor and its own earlier slots."""
+    b, a, k = blocks_baw.shape
     mask = block_visibility(anchors_ba, seq_cache.max_len, k, causal=True)
     positions = (anchors_ba[:, :, None] + jnp.arange(k)).reshape(b, a * k)
-    hidden = forward_beside_context(target, blocks_bak.reshape(b, a * k), positions, seq_cache, mask)
+    hidden = forward_beside_context(target, blocks_baw.reshape(b, a * k), positions, seq_cache, mask)
     return batch_sharded(hidden).reshape(b, a, k, -1)
 
 
@@ -113,11 +113,11 @@ def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss
             memories.append(memory)
         blocks = build_blocks(tokens_bs, loss_mask_bs, anchors, valid, k, cfg.mask_token_id, gamma)
         hidden = draft_blocks(drafter, target, ctx_kv, blocks, memory, beta, remat=remat)
-        m, proposals = score_blocks(target, head, hidden, blocks)  # proposals [B, A, K-1]
+        m, proposals = score_blocks(target, head, hidden, blocks)  # proposals [B, A, J]
         metrics.append(m)
         # A proposal is accepted when it equals the sequence token, as long as that token is a real label.
-        labelled = blocks.weights_bak[:, :, 1:] > 0
-        truth = jnp.where(labelled, blocks.labels_bak[:, :, 1:], -1)
+        labelled = blocks.weights_baw[:, :, 1:] > 0
+        truth = jnp.where(labelled, blocks.labels_baw[:, :, 1:], -1)
         accepted = accepted_count(proposals.reshape(-1, k - 1), truth.reshape(-1, k - 1)).reshape(b, a_count)
         accepted_all.append(accepted)
         anchors_all.append(anchors)
@@ -127,10 +127,10 @@ def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss
             break
         # The target states that scored this round's proposals, and the next round's memory.
         if correction_source == "verify":
-            drafted = jnp.concatenate([blocks.labels_bak[:, :, :1], proposals], axis=-1)
+            drafted = jnp.concatenate([blocks.labels_baw[:, :, :1], proposals], axis=-1)
             target_states = verify_blocks(target, seq.cache, drafted, anchors)
         else:
-            idx = jnp.minimum(blocks.positions_bak, s - 1).reshape(b, -1)
+            idx = jnp.minimum(blocks.positions_baw, s - 1).reshape(b, -1)
             target_states = jnp.take_along_axis(seq.hidden, idx[..., None], axis=1).reshape(b, a_count, k, -1)
         memory = shift_memory(hidden.reshape(b * a_count, k, -1),
                               target_states.reshape(b * a_count, k, -1).astype(hidden.dtype), accepted.reshape(-1))

@@ -37,7 +37,7 @@ def test_stepper_commits_what_generate_commits(models, use_retrace):
         seen = [int(i.accepted_b[b]) + 1 for i, _ in rounds if i.active_b[b]]
         assert seen == want.acceptance_lengths[b]
     info, top = rounds[0]
-    assert top.shape == (4, 4, 5) and np.array_equal(top[..., 0], info.proposals_bk)
+    assert top.shape == (4, 4, 5) and np.array_equal(top[..., 0], info.proposals_bj)
 
 
 def test_memory_changes_the_counts(models):

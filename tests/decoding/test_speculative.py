@@ -6,9 +6,9 @@ import pytest
 
 import retrace_jax as rj
 import retrace_jax.decoding.generation as generation
+from tests.decoding.test_generate import PROMPTS
 from tests.dflash_reference import RefDFlashDraftModel, reference_spec_generate
 from tests.helpers import count_compiles, hf_greedy, randomize
-from tests.decoding.test_generate import PROMPTS
 
 
 def random_drafter(target, block_size=4, seed=0):

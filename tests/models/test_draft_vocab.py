@@ -80,8 +80,8 @@ def test_a_partial_draft_vocabulary_is_lossless_and_proposes_only_its_tokens(qwe
     stepper.init(tokens, jnp.asarray([4], jnp.int32), jnp.asarray([True]), np.int32(32),
                  _pad_stops([], qwen3.cfg.vocab_size), SamplingParams.make(0.0, 0, 1.0, 0))
     info = stepper.step()
-    assert set(np.asarray(info.proposals_bk).ravel().tolist()) <= set(ids.tolist())
-    logits = np.asarray(info.draft_logits_bkv)
+    assert set(np.asarray(info.proposals_bj).ravel().tolist()) <= set(ids.tolist())
+    logits = np.asarray(info.draft_logits_bjv)
     outside = np.setdiff1d(np.arange(qwen3.cfg.vocab_size), ids)
     assert np.all(np.isneginf(logits[..., outside])) and np.all(np.isfinite(logits[..., ids]))
     # Sampling stays exact in distribution (tests/decoding/test_sampling.py); here it runs and keeps to the vocabulary.

@@ -1,5 +1,5 @@
 """The typed training configuration: every shipped config loads, overrides keep their types, and bad
-values are refused up front with the key named (they used to fail only inside traced code)."""
+values are refused up front with the key named, before anything is traced."""
 
 import glob
 import os
@@ -31,7 +31,7 @@ def config(tmp_path):
 def test_every_shipped_config_loads(path):
     cfg = load_config(path)
     assert isinstance(cfg, TrainConfig) and cfg.train.steps >= 1
-    assert cfg["train"]["lr"] == cfg.train.lr  # the dict-style reads of earlier versions still work
+    assert cfg["train"]["lr"] == cfg.train.lr  # the dict-style reads work too
 
 
 def test_overrides_are_typed(config):

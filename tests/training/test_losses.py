@@ -48,13 +48,13 @@ def test_blocks_match_a_loop_reference():
             for j in range(k):
                 q = i * k + j
                 pos = anc + j
-                assert got.tokens_bak[r, i, j] == (tokens[r, anc] if j == 0 else mask_id)
-                assert got.positions_bak[r, i, j] == pos
+                assert got.tokens_baw[r, i, j] == (tokens[r, anc] if j == 0 else mask_id)
+                assert got.positions_baw[r, i, j] == pos
                 label_ok = pos < s and valid[r, i] and j >= 1 and loss_mask[r, min(pos, s - 1)]
                 want_w = np.exp(-(j - 1) / gamma) if label_ok else 0.0
-                np.testing.assert_allclose(float(got.weights_bak[r, i, j]), want_w, rtol=1e-6)
+                np.testing.assert_allclose(float(got.weights_baw[r, i, j]), want_w, rtol=1e-6)
                 if label_ok:
-                    assert got.labels_bak[r, i, j] == tokens[r, pos]
+                    assert got.labels_baw[r, i, j] == tokens[r, pos]
                 for key in range(s):  # context strictly before the anchor
                     assert bool(got.mask_bt_st[r, q, key]) == (key < anc)
                 for i2 in range(a):  # its own block, both ways; never another block
@@ -80,13 +80,13 @@ def two_round_reference(drafter, target, tokens_bs, loss_mask_bs, anchors_ba, va
     hidden1 = draft_blocks(drafter, target, ctx_kv, blocks1)
     logits1 = target.logits(hidden1)
     proposals = jnp.argmax(logits1[:, :, 1:], -1).astype(jnp.int32)
-    truth = jnp.where(blocks1.weights_bak[:, :, 1:] > 0, blocks1.labels_bak[:, :, 1:], -1)
+    truth = jnp.where(blocks1.weights_baw[:, :, 1:] > 0, blocks1.labels_baw[:, :, 1:], -1)
     accepted = accepted_count(proposals.reshape(-1, k - 1), truth.reshape(-1, k - 1)).reshape(b, n)
     if correction_source == "verify":
-        drafted = jnp.concatenate([blocks1.labels_bak[:, :, :1], proposals], axis=-1)
+        drafted = jnp.concatenate([blocks1.labels_baw[:, :, :1], proposals], axis=-1)
         states = verify_blocks(target, seq.cache, drafted, anchors_ba)
     else:
-        idx = jnp.minimum(blocks1.positions_bak, s - 1).reshape(b, -1)
+        idx = jnp.minimum(blocks1.positions_baw, s - 1).reshape(b, -1)
         states = jnp.take_along_axis(seq.hidden, idx[..., None], axis=1).reshape(b, n, k, -1)
     memory = shift_memory(hidden1.reshape(b * n, k, -1), states.reshape(b * n, k, -1), accepted.reshape(-1))
     memory = jax.tree.map(lambda x: x.reshape((b, n * k) + x.shape[2:]), memory)
@@ -187,7 +187,7 @@ def test_rollout_equals_inference_rounds(qwen3, rollout_case, source, rounds):
     for r in range(rounds):
         hidden, teacher = observe(stepper.carry)
         info = stepper.step()
-        start, a, tokens = np.asarray(info.start_b), np.asarray(info.accepted_b), np.asarray(info.tokens_bk)
+        start, a, tokens = np.asarray(info.start_b), np.asarray(info.accepted_b), np.asarray(info.tokens_bw)
         inside &= start + k <= s_len
         assert inside.sum() >= 6
         for i in np.flatnonzero(inside):
