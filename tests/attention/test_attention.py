@@ -110,6 +110,7 @@ def test_cudnn_prefill_path_gives_the_same_tokens(monkeypatch):
     import retrace_jax.models.target as target_module
     from retrace_jax.attention import fresh_attention
     from retrace_jax.models.tiny import tiny_target
+    from tests.oracle import Oracle
 
     calls = []
 
@@ -118,8 +119,8 @@ def test_cudnn_prefill_path_gives_the_same_tokens(monkeypatch):
         return fresh_attention(q, k, v, "xla")
 
     target = tiny_target()
-    drafter = rj.init_drafter(target.cfg, mask_token_id=511, num_layers=1, block_size=4)
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    drafter = Oracle.build(target, prompts, 12, 4).drafter  # rounds of every acceptance length
     want = [rj.generate(target, prompts, 12, attention="chunked", **kw).tokens for kw in ({}, {"drafter": drafter})]
     with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
         rj.generate(target, prompts, 12, attention="cudnn")

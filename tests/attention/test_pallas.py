@@ -109,14 +109,15 @@ def test_pallas_kernels_need_their_device():
                                                    ("pallas_tpu", "splash_fresh")])
 def test_generate_through_pallas_kernels_gives_the_same_tokens(monkeypatch, implementation, kernel):
     """generate(attention=...) with the kernel in interpret mode gives the chunked path's greedy tokens,
-    plain and speculative (a block-16 drafter: verify and draft calls of 16 queries), and the kernel is
-    part of the programs."""
+    plain and speculative (the block-16 oracle drafter of tests/oracle.py: verify and draft calls of 16
+    queries, rounds that accept many of them), and the kernel is part of the programs."""
     import retrace_jax as rj
     from retrace_jax.models.tiny import tiny_target
+    from tests.oracle import Oracle
 
     target = tiny_target()
-    drafter = rj.init_drafter(target.cfg, mask_token_id=511, num_layers=1, block_size=16)
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    drafter = Oracle.build(target, prompts, 12, 16).drafter  # rounds of every acceptance length
     want = [rj.generate(target, prompts, 12, attention="chunked", **kw).tokens for kw in ({}, {"drafter": drafter})]
     if jax.default_backend() == "cpu":
         with pytest.raises(ValueError, match="needs a"):

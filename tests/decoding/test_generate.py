@@ -4,6 +4,7 @@ import pytest
 
 import retrace_jax as rj
 from tests.helpers import count_compiles, hf_greedy
+from tests.oracle import Oracle
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17], [3], [40, 41]]
 
@@ -79,15 +80,17 @@ def test_bad_inputs_give_clear_errors(hf_model_dir):
 
 
 def test_layer_loops_and_attention_paths_give_the_same_tokens():
-    """Scanned or unrolled layers, chunked or dense attention: the same greedy tokens. A bfloat16 cache
-    of a float32 model runs (its rounding may change tokens, so only the lengths are checked)."""
+    """Scanned or unrolled layers, chunked or dense attention: the same greedy tokens, plain and with a
+    drafter whose rounds accept every length (tests/oracle.py; tests/decoding/test_lossless.py runs it
+    on every path). A bfloat16 cache of a float32 model runs (its rounding may change tokens, so only the
+    lengths are checked)."""
     import retrace_jax as rj
     from retrace_jax.models.tiny import tiny_target
 
     target = tiny_target()
-    drafter = rj.init_drafter(target.cfg, mask_token_id=511, num_layers=1, block_size=4)
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
     want = rj.generate(target, prompts, 20, layer_loop="scan", attention="dense").tokens
+    drafter = Oracle.build(target, prompts, 20, 4).drafter
     for kwargs in ({"layer_loop": "unrolled"}, {"layer_loop": "scan", "attention": "chunked"},
                    {"drafter": drafter, "layer_loop": "unrolled"}, {"drafter": drafter, "layer_loop": "scan"}):
         assert rj.generate(target, prompts, 20, **kwargs).tokens == want, kwargs
@@ -111,7 +114,8 @@ def test_steppers_commit_what_generate_commits(layer_loop):
     from retrace_jax.models.tiny import tiny_target
 
     target = tiny_target()
-    drafter = rj.init_drafter(target.cfg, mask_token_id=511, num_layers=1, block_size=4)
+    oracle = Oracle.build(target, [[5, 6, 7, 8]], 12, 4)  # rounds of every acceptance length
+    drafter = oracle.drafter
     tokens = jnp.asarray([[5, 6, 7, 8]], jnp.int32)
     args = (tokens, jnp.asarray([4], jnp.int32), jnp.ones((1,), bool), np.int32(12), jnp.full((8,), -1, jnp.int32),
             SamplingParams.make())
@@ -123,9 +127,11 @@ def test_steppers_commit_what_generate_commits(layer_loop):
     assert carry.buf.tokens[0, : int(carry.buf.num[0])].tolist() == want
     spec = SpeculativeStepper(target, drafter, layer_loop=layer_loop, capacity=16, block_size=4)
     spec.init(*args)
+    rounds = []
     while not spec.done:
-        spec.step()
+        rounds.append(int(spec.step().accepted_b[0]) + 1)
     assert spec.carry.buf.tokens[0, : int(spec.carry.buf.num[0])].tolist() == want
+    assert rounds == oracle.expected_acceptance()[0]
 
 
 def test_unrolled_programs_keep_per_layer_weights_that_follow_the_target():

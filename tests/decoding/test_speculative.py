@@ -9,6 +9,7 @@ import retrace_jax.decoding.generation as generation
 from tests.decoding.test_generate import PROMPTS
 from tests.dflash_reference import RefDFlashDraftModel, reference_spec_generate
 from tests.helpers import count_compiles, hf_greedy, randomize
+from tests.oracle import Oracle
 
 
 def random_drafter(target, block_size=4, seed=0):
@@ -16,12 +17,23 @@ def random_drafter(target, block_size=4, seed=0):
     return randomize(d, seed=seed, scale=0.1)
 
 
-def test_random_drafter_is_lossless(family, hf_model_dir):
+def test_every_family_is_lossless_at_every_acceptance_length(family, hf_model_dir):
+    """Qwen3, Qwen2 and Llama targets with the oracle drafter (tests/oracle.py): rounds that accept
+    0..3 proposals give plain decoding's tokens, which are transformers' greedy tokens."""
     model, directory = hf_model_dir(family)
     target = rj.load_target(directory)
+    oracle = Oracle.build(target, PROMPTS, 20, 4)
+    out = rj.generate(target, PROMPTS, max_new_tokens=20, drafter=oracle.drafter)
+    assert out.tokens == oracle.expected_tokens() == rj.generate(target, PROMPTS, max_new_tokens=20).tokens
+    assert out.acceptance_lengths == oracle.expected_acceptance()
+    assert {n for row in out.acceptance_lengths for n in row} == {1, 2, 3, 4}
+    assert out.tokens[1] == hf_greedy(model, PROMPTS[1], 20)
+
+
+def test_a_random_drafter_is_lossless(hf_model_dir):
+    target = rj.load_target(hf_model_dir("qwen3")[1])
     out = rj.generate(target, PROMPTS, max_new_tokens=20, drafter=random_drafter(target))
     assert out.tokens == rj.generate(target, PROMPTS, max_new_tokens=20).tokens
-    assert out.tokens[1] == hf_greedy(model, PROMPTS[1], 20)
     for tokens, rounds in zip(out.tokens, out.acceptance_lengths):
         # The first token comes from prefill; every round commits its a + 1 (the last one possibly cut).
         assert all(1 <= r <= 4 for r in rounds) and 1 + sum(rounds) >= len(tokens) > sum(rounds[:-1])

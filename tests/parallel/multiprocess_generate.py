@@ -1,5 +1,6 @@
 """One process of the multi-process inference test (tests/parallel/test_multiprocess.py): greedy plain and
-speculative generation on a (2, 2, 2) mesh spanning the processes equal one process without a mesh."""
+speculative generation (the oracle drafter of tests/oracle.py: every acceptance length) on a (2, 2, 2) mesh
+spanning the processes equal one process without a mesh."""
 
 import os
 import sys
@@ -14,22 +15,22 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import retrace_jax as rj  # noqa: E402
-from tests.helpers import randomize  # noqa: E402
+from tests.oracle import Oracle  # noqa: E402
 
 
 def main():
     assert jax.process_count() == 2 and jax.device_count() == 8, (jax.process_count(), jax.device_count())
     target = rj.tiny.tiny_target()
-    drafter = randomize(rj.init_drafter(target.cfg, mask_token_id=511, num_layers=1, block_size=4, seed=3),
-                        seed=1, scale=0.05)
     rng = np.random.RandomState(0)
     prompts = [rng.randint(0, 511, (n,)).tolist() for n in (5, 9, 3, 7, 6)]
+    oracle = Oracle.build(target, prompts, 12, 4)  # every acceptance length 0..3 (tests/oracle.py)
+    drafter = oracle.drafter
     mesh = rj.make_mesh("data=2,fsdp=2,tensor=2")
     sharded = rj.generate(target, prompts, 12, drafter=drafter, mesh=mesh)
     plain = rj.generate(target, prompts, 12, mesh=mesh)
     local = rj.generate(target, prompts, 12, drafter=drafter)  # this process alone, no mesh
     assert sharded.tokens == local.tokens == plain.tokens, (sharded.tokens, local.tokens, plain.tokens)
-    assert sharded.acceptance_lengths == local.acceptance_lengths
+    assert sharded.acceptance_lengths == local.acceptance_lengths == oracle.expected_acceptance()
     print(f"process {jax.process_index()}: the cross-process mesh gives the single-process tokens")
     print("ok")
 

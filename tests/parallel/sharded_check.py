@@ -15,7 +15,7 @@ def parse_args(argv=None):
     p.add_argument("workdir")
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--mesh", action="append", help="mesh spec (repeatable); default: four 8-device meshes")
-    p.add_argument("--methods", default="plain,dflash,retrace,sampled")
+    p.add_argument("--methods", default="plain,oracle,dflash,retrace,sampled")
     return p.parse_args(argv)
 
 
@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import retrace_jax as rj  # noqa: E402
 from retrace_jax.parallel.sharding import CACHE_AXES, named_sharding  # noqa: E402
 from tests.helpers import make_hf_model, randomize, save_hf_model  # noqa: E402
+from tests.oracle import Oracle  # noqa: E402
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3], [40, 41, 42, 43]]
 
@@ -42,10 +43,11 @@ PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [3], [40, 41, 42, 43]]
 DEFAULT_MESHES = ("data=8", "data=2,tensor=4", "tensor=8", "data=2,fsdp=2,tensor=2")
 
 
-def run_all(target, dflash, retrace, mesh, methods):
+def run_all(target, oracle, dflash, retrace, mesh, methods):
     kw = dict(max_new_tokens=20, mesh=mesh)
     runs = {
         "plain": lambda: rj.generate(target, PROMPTS, **kw),
+        "oracle": lambda: rj.generate(target, PROMPTS, drafter=oracle.drafter, **kw),
         "dflash": lambda: rj.generate(target, PROMPTS, drafter=dflash, **kw),
         "retrace": lambda: rj.generate(target, PROMPTS, drafter=retrace, **kw),
         "sampled": lambda: rj.generate(target, PROMPTS, drafter=retrace, temperature=1.0, seed=3, **kw),
@@ -64,7 +66,11 @@ def main(workdir, devices, specs, methods):
     dflash_dir, retrace_dir = os.path.join(workdir, "dflash"), os.path.join(workdir, "retrace")
     rj.save_drafter(dflash, dflash_dir)
     rj.save_drafter(retrace, retrace_dir)
-    reference = run_all(target, dflash, retrace, None, methods)
+    oracle = Oracle.build(target, PROMPTS, 20, 4, retrace=True)  # every acceptance length 0..3, ReTrace memory on
+    reference = run_all(target, oracle, dflash, retrace, None, methods)
+    if "oracle" in methods:
+        assert reference["oracle"].tokens == oracle.expected_tokens()
+        assert reference["oracle"].acceptance_lengths == oracle.expected_acceptance()
     if {"retrace", "dflash"} <= set(methods):
         assert reference["retrace"].acceptance_lengths != reference["dflash"].acceptance_lengths
 
@@ -95,7 +101,7 @@ def main(workdir, devices, specs, methods):
         cache = cache_after_prefill(state, jnp.zeros((devices, 3), jnp.int32))
         assert cache.k.sharding.is_equivalent_to(named_sharding(CACHE_AXES, cache.k.shape, mesh), 5), cache.k.sharding
 
-        got = run_all(t, d, r, mesh, methods)
+        got = run_all(t, oracle, d, r, mesh, methods)
         for name, out in reference.items():
             assert got[name] == out, (spec, name, got[name], out)
         print(f"mesh {spec}: {', '.join(methods)} outputs equal the single-device run")

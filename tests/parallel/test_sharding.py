@@ -27,9 +27,10 @@ def _run_with_devices(script, tmp_path, devices=8, args=()):
 
 
 def test_sharded_generation_on_4_cpu_devices(tmp_path):
-    """The default suite's multi-device check: one mesh with both a data and a tensor axis."""
+    """The default suite's multi-device check: one mesh with both a data and a tensor axis, a drafter whose
+    rounds accept every length (tests/oracle.py)."""
     out = _run_with_devices("sharded_check.py", tmp_path, 4, ["--devices", "4", "--mesh", "data=2,tensor=2",
-                                                               "--methods", "plain,retrace"])
+                                                               "--methods", "plain,oracle"])
     assert out.count("equal the single-device run") == 1
 
 
