@@ -33,7 +33,7 @@ def test_time_methods_times_prefill_as_the_same_program_stopped_at_its_first_tok
 
 
 @pytest.mark.slow  # CI time; pytest -m slow runs it
-def test_compile_time_benchmark_runs_and_reports_every_program(tmp_path):
+def test_compile_time_benchmark_runs_and_reports_every_program(tmp_path, capsys):
     """benchmarks/compile_time.py on a small model: a row per program, layer loop and option set, with
     positive stage times (the numbers of docs/performance.md come from its full-size run)."""
     import json
@@ -54,5 +54,6 @@ def test_compile_time_benchmark_runs_and_reports_every_program(tmp_path):
         ("plain", "unrolled", "cpu-preset"), ("speculative", "unrolled", "cpu-preset"),
         ("retrace", "unrolled", "cpu-preset")]
     assert all(r["compile_s"] > 0 and r["ms_per_token"] > 0 for r in rows)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_:
         compile_time.main(["--variants", "python"])
+    assert exit_.value.code == 2 and "unknown variants ['python']" in capsys.readouterr().err

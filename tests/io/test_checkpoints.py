@@ -5,6 +5,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import retrace_jax as rj
 from tests.helpers import copy_model_dir, edit_config, edit_tensors, make_hf_model, save_hf_model
@@ -20,7 +21,10 @@ def test_sharded_checkpoint_loads_identically(hf_model_dir, tmp_path):
     sharded = save_hf_model(model, str(tmp_path / "sharded"), max_shard_size="100KB")
     assert os.path.exists(os.path.join(sharded, "model.safetensors.index.json"))
     a, b = rj.load_target(directory), rj.load_target(sharded)
-    np.testing.assert_array_equal(np.asarray(a.lm_head.kernel[...]), np.asarray(b.lm_head.kernel[...]))
+    leaves_a, leaves_b = (nnx.to_flat_state(nnx.state(m)) for m in (a, b))
+    assert [p for p, _ in leaves_a] == [p for p, _ in leaves_b]
+    for (path, x), (_, y) in zip(leaves_a, leaves_b):
+        np.testing.assert_array_equal(np.asarray(x.get_value()), np.asarray(y.get_value()), err_msg=str(path))
 
 
 def test_missing_directory_and_files(tmp_path, qwen3_copy):

@@ -191,7 +191,7 @@ def test_bootstrap_ratio_of_tau_over_prompts_and_seeds():
     # pooled: tokens over rounds of the resampled seeds and prompts
     assert r["tau_pooled"]["ratio"] == pytest.approx(np.mean([16 / 4, 8 / 4, 9 / 3]) / 2.0)
     assert ev.parse_drafters(["A=x", "B:1=y", "B:2=z"]) == {"A": {0: "x"}, "B": {1: "y", 2: "z"}}
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="--drafter expects NAME=DIR or NAME:SEED=DIR, got 'B:one=y'"):
         ev.parse_drafters(["B:one=y"])
 
 

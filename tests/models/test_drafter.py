@@ -151,7 +151,7 @@ def test_drafter_for_another_target_is_refused(target, drafter, tmp_path):
 def test_not_a_drafter_directory(target, hf_model_dir, tmp_path):
     with pytest.raises(rj.ConfigError, match="dflash_config"):
         rj.load_drafter(hf_model_dir("qwen3")[1], target)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="model directory not found: .*missing"):
         rj.load_drafter(str(tmp_path / "missing"), target)
 
 

@@ -77,7 +77,8 @@ def test_dflash_end_to_end(workspace, dflash_run):
     drafter = rj.load_drafter(os.path.join(out, "drafter"), target)
     prompts = json.load(open(root / "data" / "eval_prompts.json"))
     assert rj.generate(target, prompts, 24, drafter=drafter).tokens == rj.generate(target, prompts, 24).tokens
-    assert summary["eval_tau"] >= 1.0
+    # A drafter that is never right has τ 1.0; 40 steps of this seeded run reach 1.15.
+    assert summary["eval_tau"] > 1.1, summary["eval_tau"]
 
 
 def test_resume_repeats_the_uninterrupted_run(workspace, dflash_run):
@@ -160,7 +161,7 @@ def test_prompt_files(tmp_path):
     odd.write_text('{"text": "w1"}\n')
     with pytest.raises(DataError, match="odd.jsonl:1: a record needs"):
         read_prompts(str(odd))
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="prompt file not found: .*missing.jsonl"):
         read_prompts(str(tmp_path / "missing.jsonl"))
 
 
@@ -224,13 +225,21 @@ def test_bad_configs_fail_clearly_and_lose_nothing(workspace, dflash_run, tmp_pa
 def test_feature_cache_gives_the_same_training(workspace, dflash_run):
     root, config = workspace
     out = str(root / "cached")
-    train.main(["--config", config, "--set", f"out={out}", "--set", "train.feature_cache=true",
-                "--set", "train.steps=6", "--set", "train.checkpoint_every=6"])
-    online = {r["step"]: r["loss"] for r in _records(dflash_run[0]) if "loss" in r}
+    short = ["--set", "train.steps=6", "--set", "train.checkpoint_every=6"]
+    train.main(["--config", config, "--set", f"out={out}", "--set", "train.feature_cache=true", *short])
+    live = str(root / "live")
+    train.main(["--config", config, "--set", f"out={live}", *short])
+    online = {r["step"]: r["loss"] for r in _records(live) if "loss" in r}
     cached = {r["step"]: r["loss"] for r in _records(out) if "loss" in r}
     assert any(r.get("event") == "feature_cache" for r in _records(out))
-    # Same data, anchors and schedule up to the step count: the first steps' losses agree.
-    np.testing.assert_allclose([cached[s] for s in (1, 2)], [online[s] for s in (1, 2)], rtol=1e-4)
+    # Same data, anchors and schedule: the same training, through five real updates (the first has
+    # learning rate 0: the warm-up starts there).
+    assert sorted(cached) == sorted(online) == list(range(1, 7))
+    np.testing.assert_allclose([cached[s] for s in online], list(online.values()), rtol=1e-4)
+    assert abs(online[6] - online[2]) > 1e-3  # the updates changed the drafter
+    a, b = _tensors(live), _tensors(out)
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], atol=1e-4, err_msg=name)
     # The features stay on disk beside the data: the next run reuses them.
     again = str(root / "cached_again")
     train.main(["--config", config, "--set", f"out={again}", "--set", "train.feature_cache=true",
@@ -273,8 +282,7 @@ def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(workspace, tmp
 
 
 def test_metrics_go_to_tensorboard_when_it_is_installed(dflash_run):
-    pytest.importorskip("tensorboardX")
-    from tensorboardX.proto import event_pb2
+    from tensorboardX.proto import event_pb2  # in the test extra: this test runs everywhere
 
     out = dflash_run[0]
     files = os.listdir(os.path.join(out, "tensorboard"))
