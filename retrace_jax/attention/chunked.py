@@ -26,10 +26,7 @@ def walk_cache(q_btkgd, limit_bt, *, k_lbskd, v_lbskd, layer, chunk, extra, lo_b
 
     def one_chunk(j, state):
         start = j * chunk
-        k_c = jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(k_lbskd, layer, 0, keepdims=False),
-                                           start, chunk, axis=1)
-        v_c = jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_index_in_dim(v_lbskd, layer, 0, keepdims=False),
-                                           start, chunk, axis=1)
+        k_c, v_c = (cache_chunk(buf, layer, start, chunk) for buf in (k_lbskd, v_lbskd))
         scores = jnp.einsum("btkgd,bckd->bkgtc", q_btkgd, k_c.astype(q_btkgd.dtype),
                             preferred_element_type=jnp.float32) * d**-0.5
         slots = (start + jnp.arange(chunk))[None, None, :]
@@ -46,6 +43,16 @@ def walk_cache(q_btkgd, limit_bt, *, k_lbskd, v_lbskd, layer, chunk, extra, lo_b
     _, l, acc = jax.lax.fori_loop(first, n_chunks, one_chunk, state)
     out = acc / jnp.maximum(l, 1e-30)[..., None]  # [B, K, G, T, D]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, kv * g, d)
+
+
+def cache_chunk(buf_lbskd, layer, start, chunk: int):
+    """Slots ``start .. start + C - 1`` of layer ``layer``, ``[B, C, K, D]``, read from the stacked cache
+    in one slice. Taking the layer first and then the chunk would give XLA a slice that does not depend
+    on the chunk, which it hoists out of the walk: a copy of the whole layer at every call."""
+    _, b, _, kv, d = buf_lbskd.shape
+    zero = jnp.zeros((), jnp.int32)
+    index = (jnp.asarray(layer, jnp.int32), zero, jnp.asarray(start, jnp.int32), zero, zero)
+    return jax.lax.dynamic_slice(buf_lbskd, index, (1, b, chunk, kv, d))[0]
 
 
 def online_update(state, scores_bkgtc, visible_btc, v_bckd):

@@ -1,6 +1,7 @@
-"""The decode loops update their KV caches in place: the compiled while-loop bodies hold no copy or
-transpose of a cache-sized buffer, and the whole program holds no copy of a whole cache (read from the
-optimised HLO, after XLA's copy insertion)."""
+"""The decode loops update their KV caches in place and read only what they attend to: the compiled
+while-loop bodies hold no copy or transpose of a cache-sized buffer and no result of any kind as large as
+one layer of the cache, other than the in-place writes; the whole program holds no copy of a whole cache
+(read from the optimised HLO, after XLA's copy insertion, at a small and a large buffer)."""
 
 import os
 import re
@@ -30,14 +31,14 @@ def _computations(hlo: str) -> dict[str, list[str]]:
     return comps
 
 
-def loop_copies(hlo: str, min_elements: int) -> list[str]:
-    """Copy and transpose instructions of at least ``min_elements`` inside the entry's while loops
-    (and everything they call)."""
+def _loop_lines(hlo: str):
+    """(computation, line) of every instruction inside the entry's while loops, at any depth (the loop
+    bodies and everything they call: fusions, nested loops, branches)."""
     comps = _computations(hlo)
     entry = re.search(r"^ENTRY %?([\w.\-]+) ", hlo, re.M).group(1)
     stack = [b for line in comps[entry] for b in re.findall(r"while\(.*body=%?([\w.\-]+)", line)]
     assert stack, "no while loop in the entry computation"
-    seen, found = set(), []
+    seen = set()
     while stack:
         name = stack.pop()
         if name in seen or name not in comps:
@@ -47,9 +48,51 @@ def loop_copies(hlo: str, min_elements: int) -> list[str]:
             stack += re.findall(r"(?:calls|body|condition|to_apply)=%?([\w.\-]+)", line)
             for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
                 stack += [x.strip().lstrip("%") for x in group.split(",")]
-            op = re.search(r"= \w+\[([\d,]+)\]\{[^}]*\} (copy|transpose)\(", line)
-            if op and np.prod([int(x) for x in op.group(1).split(",")]) >= min_elements:
-                found.append(line.strip())
+            yield name, line
+
+
+def loop_copies(hlo: str, min_elements: int) -> list[str]:
+    """Copy and transpose instructions of at least ``min_elements`` inside the entry's while loops
+    (and everything they call)."""
+    found = []
+    for _, line in _loop_lines(hlo):
+        op = re.search(r"= \w+\[([\d,]+)\]\{[^}]*\} (copy|transpose)\(", line)
+        if op and np.prod([int(x) for x in op.group(1).split(",")]) >= min_elements:
+            found.append(line.strip())
+    return found
+
+
+# Instructions that name buffers without computing them, and the cache writes (in place).
+PASS_THROUGH = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional"}
+WRITES = {"scatter", "dynamic-update-slice"}
+
+
+def layer_sized(hlo: str, layer_elements: int) -> list[str]:
+    """Instructions inside the entry's while loops whose result (or any part of a tuple result) has at
+    least ``layer_elements`` elements, whatever their opcode, except buffers passed through and the
+    in-place cache writes (a scatter or dynamic-update-slice, alone or as the root of a fusion)."""
+    comps = _computations(hlo)
+    roots = {}
+    for name, lines in comps.items():
+        for line in lines:
+            root = re.search(r"ROOT %?[\w.\-]+ = .*?\} ([\w\-]+)\(", line)
+            if root:
+                roots[name] = root.group(1)
+    found = []
+    for _, line in _loop_lines(hlo):
+        head = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = (\(.*?\)|\w+\[[\d,]*\]\{[^}]*\}|\w+\[[\d,]*\]) ([\w\-]+)\(", line)
+        if not head:
+            continue
+        sizes = [np.prod([int(x) for x in dims.split(",") if x], dtype=np.int64)
+                 for dims in re.findall(r"\w+\[([\d,]*)\]", head.group(1))]
+        if not sizes or max(sizes) < layer_elements:
+            continue
+        opcode = head.group(2)
+        called = re.search(r"calls=%?([\w.\-]+)", line)
+        if opcode in PASS_THROUGH or opcode in WRITES or (opcode == "fusion" and called
+                                                         and roots.get(called.group(1)) in WRITES):
+            continue
+        found.append(line.strip()[:300])
     return found
 
 
@@ -85,27 +128,70 @@ def _one_layer_of_cache(cfg, batch, slots):
     return batch * slots * cfg.num_kv_heads * cfg.head_dim
 
 
-@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
-def test_plain_loop_updates_cache_in_place(layer_loop):
-    target, args = _inputs()
-    graphdef, state = nnx.split(target)
-    hlo = users_hlo(plain_generate.lower(graphdef, state, *args, capacity=512, layer_loop=layer_loop))
-    copies = loop_copies(hlo, _one_layer_of_cache(target.cfg, 2, 16 + 512))
-    copies += whole_copies(hlo, _cache_shape(target.cfg, 2, 16 + 512))
-    assert not copies, "\n".join(copies)
+CAPACITIES = (512, 4096)  # buffers of 528 and 4,608 slots (plain), the larger one several thousand
+_HLO: dict = {}
 
 
-@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
-def test_speculative_loop_updates_both_caches_in_place(layer_loop):
-    target, args = _inputs()
-    drafter = rj.init_drafter(target.cfg, mask_token_id=511, num_layers=2, block_size=8)
-    (tdef, tstate), (ddef, dstate) = nnx.split(target), nnx.split(drafter)
-    hlo = users_hlo(speculative_generate.lower(tdef, tstate, ddef, dstate, *args, capacity=512, block_size=8,
-                                               layer_loop=layer_loop))
-    copies = loop_copies(hlo, _one_layer_of_cache(target.cfg, 2, 16 + 512 + 8))
-    copies += whole_copies(hlo, _cache_shape(target.cfg, 2, 16 + 512 + 8))
-    copies += whole_copies(hlo, _cache_shape(drafter.cfg, 2, 16 + 512 + 8))
-    assert not copies, "\n".join(copies)
+def program_hlo(program: str, layer_loop: str, capacity: int):
+    """The users' optimised HLO of a decode program, the cache shapes and one layer's element count."""
+    key = (program, layer_loop, capacity)
+    if key not in _HLO:
+        target, args = _inputs()
+        tdef, tstate = nnx.split(target)
+        if program == "plain":
+            slots = 16 + capacity
+            lowered = plain_generate.lower(tdef, tstate, *args, capacity=capacity, layer_loop=layer_loop)
+            shapes = [_cache_shape(target.cfg, 2, slots)]
+        else:
+            slots = 16 + capacity + 8
+            drafter = rj.init_drafter(target.cfg, mask_token_id=511, num_layers=2, block_size=8)
+            ddef, dstate = nnx.split(drafter)
+            lowered = speculative_generate.lower(tdef, tstate, ddef, dstate, *args, capacity=capacity, block_size=8,
+                                                 layer_loop=layer_loop)
+            shapes = [_cache_shape(target.cfg, 2, slots), _cache_shape(drafter.cfg, 2, slots)]
+        from retrace_jax.attention import cache_slots
+        layer = _one_layer_of_cache(target.cfg, 2, cache_slots(slots))
+        _HLO[key] = (users_hlo(lowered), shapes, layer)
+    return _HLO[key]
+
+
+CASES = [(p, loop, c) for p in ("plain", "speculative") for loop in ("unrolled", "scan") for c in CAPACITIES]
+
+
+@pytest.mark.parametrize("program,layer_loop,capacity", [
+    case if case[1] == "unrolled" or case[2] == CAPACITIES[0] else pytest.param(*case, marks=pytest.mark.slow)
+    for case in CASES])
+def test_loops_update_caches_in_place_and_read_no_whole_layer(program, layer_loop, capacity):
+    hlo, shapes, layer = program_hlo(program, layer_loop, capacity)
+    found = loop_copies(hlo, layer) + [c for shape in shapes for c in whole_copies(hlo, shape)]
+    found += layer_sized(hlo, layer)
+    assert not found, "\n".join(found)
+
+
+def test_detector_finds_a_hoisted_layer_slice():
+    """The control: unrolled layers that each write their layer, then walk it in chunks, slicing the
+    layer first and the chunk second. The layer's slice does not depend on the chunk, so XLA moves it out
+    of the walk: a whole layer read out at every step, which the check finds."""
+    import jax
+    import jax.numpy as jnp
+
+    def steps(buf, n):
+        def step(carry):
+            i, buf, acc = carry
+            for layer in range(buf.shape[0]):  # constant layer indices, as in the unrolled programs
+                buf = buf.at[layer, :, i].set(acc)
+
+                def chunk(j, acc, layer=layer, buf=buf):
+                    one_layer = jax.lax.dynamic_index_in_dim(buf, layer, 0, keepdims=False)
+                    return acc + jax.lax.dynamic_slice_in_dim(one_layer, j * 64, 64, axis=1).sum()
+
+                acc = jax.lax.fori_loop(0, n, chunk, acc)
+            return i + 1, buf, acc
+
+        return jax.lax.while_loop(lambda c: c[0] < 3, step, (0, buf, 0.0))[2]
+
+    hlo = jax.jit(steps).lower(jnp.zeros((4, 2, 512, 2, 32)), 8).compile().as_text()
+    assert layer_sized(hlo, 2 * 512 * 2 * 32)
 
 
 def test_detector_finds_a_copy():
