@@ -64,6 +64,14 @@ def hf_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen3(hf_model_dir):
+    """The qwen3 reference model of ``hf_model_dir`` loaded as a target (read-only: tests do not change it)."""
+    import retrace_jax as rj
+
+    return rj.load_target(hf_model_dir("qwen3")[1])
+
+
+@pytest.fixture(scope="session")
 def trained_drafter(hf_model_dir, tmp_path_factory):
     """A one-layer drafter (block 4) fitted for 150 steps on the qwen3 target's own greedy outputs, so
     that many of its proposals are right (τ about 1.8 on its training prompts, against 1.95 after 300

@@ -40,11 +40,6 @@ def test_a_random_drafter_is_lossless(hf_model_dir):
 
 
 @pytest.fixture(scope="module")
-def qwen3(hf_model_dir):
-    return rj.load_target(hf_model_dir("qwen3")[1])
-
-
-@pytest.fixture(scope="module")
 def fresh_prompts():
     rng = np.random.RandomState(7)
     return [rng.randint(0, 127, (n,)).tolist() for n in (4, 9, 2, 6, 4, 13)]

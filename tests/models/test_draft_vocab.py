@@ -41,11 +41,6 @@ def test_bad_ids_are_refused(qwen3):
             rj.init_drafter(qwen3.cfg, mask_token_id=127, block_size=4, draft_vocab=ids)
 
 
-@pytest.fixture(scope="module")
-def qwen3(hf_model_dir):
-    return rj.load_target(hf_model_dir("qwen3")[1])
-
-
 # Each setting compiles two speculative programs; the default run keeps greedy and one sampling rule.
 @pytest.mark.parametrize("kwargs", [
     {},

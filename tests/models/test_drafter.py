@@ -22,8 +22,8 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def target(hf_model_dir):
-    return rj.load_target(hf_model_dir("qwen3")[1])
+def target(qwen3):
+    return qwen3
 
 
 @pytest.fixture(scope="module")

@@ -75,11 +75,6 @@ def test_fusion_formula():
 
 
 @pytest.fixture(scope="module")
-def qwen3(hf_model_dir):
-    return rj.load_target(hf_model_dir("qwen3")[1])
-
-
-@pytest.fixture(scope="module")
 def dflash_dir(trained_drafter, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("dflash"))
     rj.save_drafter(trained_drafter[0], path)

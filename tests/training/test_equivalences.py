@@ -19,8 +19,8 @@ ALL_ANCHORS = SEQ - BLOCK + 1 - PROMPT
 
 
 @pytest.fixture(scope="module")
-def target(hf_model_dir):
-    return rj.load_target(hf_model_dir("qwen3")[1])
+def target(qwen3):
+    return qwen3
 
 
 @pytest.fixture(scope="module")

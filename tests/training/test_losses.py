@@ -62,11 +62,6 @@ def test_blocks_match_a_loop_reference():
                         assert bool(got.mask_bt_st[r, q, s + i2 * k + j2]) == (i2 == i)
 
 
-@pytest.fixture(scope="module")
-def qwen3(hf_model_dir):
-    return rj.load_target(hf_model_dir("qwen3")[1])
-
-
 def two_round_reference(drafter, target, tokens_bs, loss_mask_bs, anchors_ba, valid_ba, beta, correction_source):
     """The two-round rollout as the library computed it before K rounds (round 1 without memory, round 2
     with round 1's rejected suffix), kept here to check that ``rounds=2`` still computes exactly that."""
