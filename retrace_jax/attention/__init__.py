@@ -73,16 +73,36 @@ IMPLEMENTATIONS = ("auto", "chunked", "dense", "cudnn", "pallas_gpu", "pallas_tp
 FRESH_KERNELS = ("cudnn", "pallas_tpu")  # implementations with their own empty-cache prefill (fresh_attention)
 PALLAS_GPU_MAX_T = 64  # queries per row up to which "pallas_gpu" uses the decode kernel (decode, verify, draft)
 KV_CHUNK = 512  # cache slots per chunk; caches longer than this are allocated in multiples of it
+SMALL_CHUNK = 128  # ... and caches of up to KV_CHUNK slots in multiples of this, walked in chunks of it
 Q_CHUNK = 512  # queries per chunk (prefill)
 
-__all__ = ["FRESH_KERNELS", "IMPLEMENTATIONS", "KV_CHUNK", "PALLAS_GPU_MAX_T", "Q_CHUNK", "attention_beside_context",
+__all__ = ["FRESH_KERNELS", "IMPLEMENTATIONS", "KV_CHUNK", "PALLAS_GPU_MAX_T", "Q_CHUNK", "SMALL_CHUNK", "walk_chunk",
+           "attention_beside_context",
            "cache_slots", "cached_attention", "fresh_attention", "pallas_interpret", "reference_attention"]
 
 
 def cache_slots(n: int, chunk: int = KV_CHUNK) -> int:
-    """The number of slots to allocate for ``n`` positions: ``n`` itself up to one chunk, else the next
-    multiple of the chunk (so that the chunked walk tiles the cache exactly)."""
-    return n if n <= chunk else -(-n // chunk) * chunk
+    """The number of slots to allocate for ``n`` positions, so that the chunked walk tiles the cache
+    exactly: ``n`` itself up to one small chunk, the next multiple of the small chunk up to one chunk,
+    else the next multiple of the chunk. A cache that is one chunk walked whole makes XLA's CPU backend
+    copy the cache at every step (its slice covers the whole layer), so only tiny caches are."""
+    small = min(SMALL_CHUNK, chunk)
+    if n <= small:
+        return n
+    return -(-n // small) * small if n <= chunk else -(-n // chunk) * chunk
+
+
+def walk_chunk(slots: int, chunk: int = KV_CHUNK) -> int:
+    """The chunk size that the walk uses over a cache of ``slots`` (allocated by :func:`cache_slots`)."""
+    small = min(SMALL_CHUNK, chunk)
+    if slots <= small:
+        return slots
+    if slots % chunk == 0:
+        return chunk
+    if slots < chunk and slots % small == 0:
+        return small
+    raise ValueError(f"a KV cache of {slots} slots does not tile into chunks of {chunk} (or {small} below "
+                     f"{chunk}); allocate cache_slots(n) slots")
 
 
 def cached_attention(q_bthd, k_lbskd, v_lbskd, layer, limit_bt, extra_k_bekd=None, extra_v_bekd=None, *,
@@ -99,10 +119,7 @@ def cached_attention(q_bthd, k_lbskd, v_lbskd, layer, limit_bt, extra_k_bekd=Non
         kernels.check_pallas_backend(implementation)
     b, t, h, d = q_bthd.shape
     s = k_lbskd.shape[2]
-    chunk = min(kv_chunk, s)
-    if s % chunk:
-        raise ValueError(f"a KV cache of {s} slots does not tile into chunks of {chunk}; allocate "
-                         f"cache_slots(n) slots")
+    chunk = walk_chunk(s, kv_chunk)
     kv_heads = k_lbskd.shape[3]
     q = q_bthd.reshape(b, t, kv_heads, h // kv_heads, d)
     extra = None if extra_k_bekd is None else (extra_k_bekd, extra_v_bekd)
