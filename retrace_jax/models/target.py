@@ -64,9 +64,12 @@ class TargetModel(nnx.Module):
         return self.embed_tokens(tokens_bt)
 
     def logits(self, hidden_btd):
-        """LM head (tied to the embedding when the config says so)."""
+        """LM head (tied to the embedding when the config says so). The tied head contracts the
+        embedding's ``d`` axis in place (``Embed.attend`` transposes it first, and on CPU XLA then copies
+        the whole ``[V, d]`` embedding at every decode step)."""
         if self.cfg.tie_word_embeddings:
-            return self.embed_tokens.attend(hidden_btd)
+            embedding = self.embed_tokens.embedding[...]
+            return jnp.einsum("...d,vd->...v", hidden_btd.astype(embedding.dtype), embedding)
         return self.lm_head(hidden_btd)
 
     def head_weight(self):
