@@ -28,6 +28,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
+from benchmarks.hlo import computations, entry_loops  # noqa: E402
 from retrace_jax.decoding.layer_loop import per_layer_weights  # noqa: E402
 from retrace_jax.decoding.plain import plain_generate  # noqa: E402
 from retrace_jax.decoding.sampling import SamplingParams  # noqa: E402
@@ -38,20 +39,6 @@ from retrace_jax.models.tiny import TINY_QWEN3  # noqa: E402
 NOT_KERNELS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "opt-barrier"}
 
 
-def computations(hlo: str) -> dict[str, list[str]]:
-    comps, name = {}, None
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if head:
-            name = head.group(1)
-            comps[name] = []
-        elif line.startswith("}"):
-            name = None
-        elif name:
-            comps[name].append(line)
-    return comps
-
-
 def opcode(line: str) -> str | None:
     m = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = (?:\(.*?\)|[\w\[\]\d,{}:()]+?) ([\w\-]+)\(", line)
     return m.group(1) if m else None
@@ -60,10 +47,8 @@ def opcode(line: str) -> str | None:
 def loop_kernels(hlo: str) -> list[collections.Counter]:
     """Kernel counts by opcode of each while loop's body in the entry computation (its outermost loops)."""
     comps = computations(hlo)
-    entry = re.search(r"^ENTRY %?([\w.\-]+) ", hlo, re.M).group(1)
-    bodies = [b for line in comps[entry] for b in re.findall(r"while\(.*body=%?([\w.\-]+)", line)]
     out = []
-    for body in bodies:
+    for body in entry_loops(hlo):
         counts = collections.Counter(op for op in map(opcode, comps[body]) if op and op not in NOT_KERNELS)
         out.append(counts)
     return out

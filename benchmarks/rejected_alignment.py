@@ -8,7 +8,7 @@ A round anchored at position ``start`` drafts block slots 1..K (slot k at positi
 ``a`` proposals accepted, slot ``a + 1`` is the first rejected one (the target's correction is committed
 there) and slots ``a + 2 .. K`` are the **rejected suffix**, which ReTrace carries into the next round
 (docs/retrace.md: the memory's slot j is the old slot a + 1 + j; numbers in docs/results.md, "What the
-rejected suffix holds"). A round that accepts all K proposals has no rejection and counts nothing. Only
+rejected suffix holds"). A round that accepts all J proposals has no rejection and counts nothing. Only
 positions inside the final output count (a stop token or ``max_new_tokens`` may end the text before a
 suffix position is reached).
 

@@ -93,16 +93,18 @@ def cache_slots(n: int, chunk: int = KV_CHUNK) -> int:
 
 
 def walk_chunk(slots: int, chunk: int = KV_CHUNK) -> int:
-    """The chunk size that the walk uses over a cache of ``slots`` (allocated by :func:`cache_slots`)."""
+    """The chunk size that the walk uses over a cache of ``slots``: small chunks for a cache of up to one
+    chunk that they tile (as :func:`cache_slots` allocates it), else the whole of such a cache; whole
+    chunks for a longer one, which they must tile."""
     small = min(SMALL_CHUNK, chunk)
     if slots <= small:
         return slots
+    if slots <= chunk:
+        return small if slots % small == 0 else slots
     if slots % chunk == 0:
         return chunk
-    if slots < chunk and slots % small == 0:
-        return small
-    raise ValueError(f"a KV cache of {slots} slots does not tile into chunks of {chunk} (or {small} below "
-                     f"{chunk}); allocate cache_slots(n) slots")
+    raise ValueError(f"a KV cache of {slots} slots does not tile into chunks of {chunk}; allocate "
+                     f"cache_slots(n) slots")
 
 
 def cached_attention(q_bthd, k_lbskd, v_lbskd, layer, limit_bt, extra_k_bekd=None, extra_v_bekd=None, *,

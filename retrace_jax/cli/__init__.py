@@ -6,8 +6,9 @@ the asset scripts run the functions here.
 * ``assets`` -- fetching real models and prompt sets, mixing prompt sets.
 
 Errors that bad input causes (``ValueError`` and its kinds ``rj.ConfigError``, ``rj.CheckpointError``,
-``rj.DataError``; ``OSError`` such as ``FileNotFoundError``; a diverged run) print one ``error: MESSAGE``
-line on stderr and exit with status 1; anything else is a bug and keeps its traceback.
+``rj.DataError``; ``OSError`` such as ``FileNotFoundError``; for ``train.py`` also a diverged run and a
+missing key) print one ``error: MESSAGE`` line on stderr and exit with status 1; anything else is a bug
+and keeps its traceback.
 ``RETRACE_JAX_TRACEBACK=1`` (or a command's ``--traceback``) shows the traceback of a user error too.
 """
 
@@ -17,14 +18,17 @@ import os
 import sys
 from typing import Callable
 
-USER_ERRORS = (ValueError, OSError, ArithmeticError, KeyError)
+USER_ERRORS = (ValueError, OSError)
+# train.py also reports a diverged run (FloatingPointError) and a key missing from its files as one line.
+TRAIN_ERRORS = USER_ERRORS + (ArithmeticError, KeyError)
 
 
-def run_main(main: Callable, argv: list[str] | None = None, traceback: bool = False):
-    """Returns ``main(argv)``; on a user error prints one line and exits with status 1."""
+def run_main(main: Callable, argv: list[str] | None = None, traceback: bool = False,
+             user_errors: tuple[type[BaseException], ...] = USER_ERRORS):
+    """Returns ``main(argv)``; on one of ``user_errors`` prints one line and exits with status 1."""
     try:
         return main(argv)
-    except USER_ERRORS as err:
+    except user_errors as err:
         if traceback or os.environ.get("RETRACE_JAX_TRACEBACK"):
             raise
         print(f"error: {one_line(err)}", file=sys.stderr, flush=True)

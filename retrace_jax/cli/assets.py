@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from retrace_jax import assets
 from retrace_jax.assets.mixing import MIX_COUNTS, SPEC_BENCH, mix_prompts, parse_take
 from retrace_jax.assets.models import DEFAULT_CACHE, MODELS, fetch
 from retrace_jax.assets.prompts import DATASETS, fetch_dataset
@@ -50,7 +51,7 @@ def mix_main(argv=None):
 
 def main(argv=None):
     """The command line of ``scripts/fetch_assets.py``; errors raise (the script prints them as one line)."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=assets.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("assets", nargs="+", choices=sorted(MODELS) + sorted(DATASETS))
     p.add_argument("--cache", default=DEFAULT_CACHE, help="model directory (prompt sets go to its ../data)")
     args = p.parse_args(argv)

@@ -7,7 +7,7 @@
     python train.py --describe                                        # every config key, its default and docs
 
 Data preparation regenerates the responses to the prompts with the target (resumable shards); training
-fits the drafter (DFlash, or ReTrace's K-round on-policy rollout), checkpoints with Orbax and resumes exactly
+fits the drafter (DFlash, or ReTrace's R-round on-policy rollout), checkpoints with Orbax and resumes exactly
 from the last checkpoint when rerun, evaluates τ with real speculative generation on held-out prompts,
 and exports the drafter in the official DFlash layout to ``OUT/drafter``. Metrics go to stdout,
 ``OUT/metrics.jsonl`` and, when tensorboardX is installed, TensorBoard event files in ``OUT/tensorboard``.
@@ -27,7 +27,7 @@ import argparse
 import json
 import os
 
-from retrace_jax.cli import run_main
+from retrace_jax.cli import TRAIN_ERRORS, run_main
 
 
 def main(argv=None):
@@ -52,7 +52,7 @@ def main(argv=None):
         p.error("--config is required")
     if args.step is not None and args.stage != "export":
         p.error("--step goes with --stage export")
-    return run_main(lambda _: run(args), traceback=args.traceback)
+    return run_main(lambda _: run(args), traceback=args.traceback, user_errors=TRAIN_ERRORS)
 
 
 def run(args):

@@ -9,6 +9,7 @@ activations and caches do the same here. Heads, KV heads, MLP width and vocabula
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Sequence
 
 import jax
@@ -62,7 +63,7 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
 def _check_axis(name: str, size: int) -> None:
     if name not in MESH_AXES:
         raise ValueError(f"unknown mesh axis {name!r}; the axes are {', '.join(MESH_AXES)}")
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
         raise ValueError(f"mesh axis {name} must have an integer size >= 1, got {size!r}")
 
 

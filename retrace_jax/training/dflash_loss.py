@@ -1,6 +1,6 @@
 """The DFlash training objective: many anchored blocks per sequence, each drafted in one pass.
 
-Block ``i`` is ``[x[anchor_i], MASK, ...]`` at positions ``anchor_i + 0..B-1``. It sees the target
+Block ``i`` is ``[x[anchor_i], MASK, ...]`` at positions ``anchor_i + 0..W-1``. It sees the target
 features of positions strictly before its anchor and its own block (bidirectionally), never another
 block. Slot ``k`` is labelled ``x[anchor_i + k]``; loss weights ``exp(-(k-1)/gamma)`` times the loss mask.
 """

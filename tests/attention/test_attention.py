@@ -68,7 +68,8 @@ def test_cache_slots_tile_into_chunks():
     assert cache_slots(10, 512) == 10 and cache_slots(512, 512) == 512 and cache_slots(513, 512) == 1024
     # Caches of up to one chunk are walked in small chunks (one chunk walked whole makes XLA copy it).
     assert cache_slots(128) == 128 and cache_slots(129) == 256 and cache_slots(200) == 256
-    assert walk_chunk(256) == 128 and walk_chunk(80) == 80 and walk_chunk(1024) == 512
+    assert walk_chunk(256) == 128 and walk_chunk(512) == 128 and walk_chunk(80) == 80 and walk_chunk(1024) == 512
+    assert walk_chunk(200) == 200 and walk_chunk(1000, 4096) == 1000  # caches made otherwise: walked whole
     with pytest.raises(ValueError, match="does not tile"):
         k = jnp.zeros((1, 1, 48, 1, 4))
         cached_attention(jnp.zeros((1, 1, 1, 4)), k, k, 0, jnp.ones((1, 1), jnp.int32), kv_chunk=32)

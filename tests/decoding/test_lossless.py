@@ -49,6 +49,15 @@ def test_layer_loops_and_attention_paths(target, oracle, kwargs):
     check(rj.generate(target, PROMPTS, NEW, drafter=oracle.drafter, **kwargs), oracle)
 
 
+def test_a_cache_walked_in_small_chunks(target):
+    """120 new tokens: caches of 256 slots, which the attention walks in chunks of 128, past the first."""
+    from retrace_jax.attention import cache_slots, walk_chunk
+
+    assert walk_chunk(cache_slots(8 + 128 + BLOCK)) == 128
+    oracle = Oracle.build(target, PROMPTS[:2], 120, BLOCK)
+    check(rj.generate(target, PROMPTS[:2], 120, drafter=oracle.drafter), oracle)
+
+
 def test_stops_and_limits_inside_a_block(target):
     """A stop token and ``max_new_tokens`` that fall inside an accepted block cut the row there."""
     row = rj.generate(target, PROMPTS, NEW).tokens[1]

@@ -149,6 +149,16 @@ def test_one_program_per_generation(qwen3, monkeypatch):
     assert compiled == []
 
 
+def test_round_info_keeps_its_old_field_names_with_a_warning():
+    from retrace_jax.decoding.speculative import RoundInfo
+
+    info = RoundInfo(*range(6))
+    for old, new in (("proposals_bk", "proposals_bj"), ("tokens_bk", "tokens_bw"),
+                     ("draft_logits_bkv", "draft_logits_bjv")):
+        with pytest.warns(DeprecationWarning, match=f"RoundInfo.{old} is now RoundInfo.{new}"):
+            assert getattr(info, old) == getattr(info, new)
+
+
 def test_mismatched_drafter_and_bad_block_size(qwen3, hf_model_dir):
     llama = rj.load_target(hf_model_dir("llama")[1])
     other = rj.init_drafter(llama.cfg, mask_token_id=3, num_layers=1, block_size=4)

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -47,6 +48,7 @@ def test_sharded_train_step_on_8_cpu_devices(tmp_path):
 def test_make_mesh_specs():
     mesh = rj.make_mesh("data=1")
     assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert dict(rj.make_mesh({"data": np.int64(1)}).shape)["data"] == 1  # NumPy integers are sizes too
     with pytest.raises(ValueError, match="unknown mesh axis 'model'"):
         rj.make_mesh("model=1")
     with pytest.raises(ValueError, match="needs 4 devices"):

@@ -161,6 +161,13 @@ def test_describe_lists_every_key():
         assert train.main(["--describe"]) is None
 
 
+def test_the_old_error_name_still_works_with_a_warning():
+    import retrace_jax.training.config as training_config
+
+    with pytest.warns(DeprecationWarning, match="ConfigurationError is now retrace_jax.ConfigError"):
+        assert training_config.ConfigurationError is rj.ConfigError
+
+
 def test_a_renamed_key_keeps_working(config, monkeypatch):
     from retrace_jax.training.config import TrainSection
 
