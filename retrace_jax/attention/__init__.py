@@ -76,9 +76,9 @@ KV_CHUNK = 512  # cache slots per chunk; caches longer than this are allocated i
 SMALL_CHUNK = 128  # ... and caches of up to KV_CHUNK slots in multiples of this, walked in chunks of it
 Q_CHUNK = 512  # queries per chunk (prefill)
 
-__all__ = ["FRESH_KERNELS", "IMPLEMENTATIONS", "KV_CHUNK", "PALLAS_GPU_MAX_T", "Q_CHUNK", "SMALL_CHUNK", "walk_chunk",
-           "attention_beside_context",
-           "cache_slots", "cached_attention", "fresh_attention", "pallas_interpret", "reference_attention"]
+__all__ = ["FRESH_KERNELS", "IMPLEMENTATIONS", "KV_CHUNK", "PALLAS_GPU_MAX_T", "Q_CHUNK", "SMALL_CHUNK",
+           "attention_beside_context", "cache_slots", "cached_attention", "fresh_attention", "pallas_interpret",
+           "reference_attention", "walk_chunk"]
 
 
 def cache_slots(n: int, chunk: int = KV_CHUNK) -> int:

@@ -29,17 +29,17 @@ def commit(buf: OutputBuffer, new_bt, count_b, max_new, stop_ids) -> OutputBuffe
     A row keeps tokens up to and including its first stop token and never more than ``max_new`` in
     all; it is then done and later commits leave it unchanged. ``stop_ids`` is padded with -1.
     """
-    batch, k = new_bt.shape
-    slot = jnp.arange(k, dtype=jnp.int32)[None, :]  # [1, T]
+    batch, t = new_bt.shape
+    slot = jnp.arange(t, dtype=jnp.int32)[None, :]  # [1, T]
     offered = slot < count_b[:, None]
     is_stop = offered & jnp.any(new_bt[:, :, None] == stop_ids[None, None, :], axis=-1)
-    first_stop = jnp.where(jnp.any(is_stop, -1), jnp.argmax(is_stop, -1), k)  # [B]
+    first_stop = jnp.where(jnp.any(is_stop, -1), jnp.argmax(is_stop, -1), t)  # [B]
     take = jnp.minimum(jnp.minimum(count_b, first_stop + 1), max_new - buf.num)
     take = jnp.where(buf.done, 0, jnp.maximum(take, 0))
     keep = slot < take[:, None]
     capacity = buf.tokens.shape[1]
     pos = jnp.where(keep, buf.num[:, None] + slot, capacity)  # out-of-range index: dropped
-    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, k))
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, t))
     tokens = buf.tokens.at[rows, pos].set(new_bt.astype(jnp.int32), mode="drop")
     num = buf.num + take
     hit_stop = jnp.any(is_stop & keep, axis=-1)
