@@ -16,7 +16,7 @@ XLA options: ``cpu`` are the options ``generate``'s programs compile with on CPU
 programs also Eigen instead of YNNPACK for products of several rows, where this XLA takes that option),
 ``cpu-preset`` the preset alone (what the plain programs use), ``default`` XLA's own.
 Layer loops: ``unrolled`` is what ``generate`` runs on CPU (the per-layer weights that
-``per_layer_weights`` keeps beside the target are arguments of the program); ``unrolled-sliced`` is the
+``decode_weights`` keeps beside the target are arguments of the program); ``unrolled-sliced`` is the
 same loop slicing those weights inside the program; ``scan`` is the accelerator default.
 Random weights time compilation and decoding as well as real ones (no stop token is given, so every run
 generates exactly ``--tokens`` tokens).
@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import retrace_jax as rj  # noqa: E402
 from retrace_jax.decoding import programs  # noqa: E402
 from retrace_jax.decoding.generation import bucket  # noqa: E402
-from retrace_jax.decoding.layer_loop import per_layer_weights  # noqa: E402
+from retrace_jax.decoding.layer_loop import decode_weights  # noqa: E402
 from retrace_jax.decoding.plain import plain_generate  # noqa: E402
 from retrace_jax.decoding.sampling import SamplingParams  # noqa: E402
 from retrace_jax.decoding.speculative import speculative_generate  # noqa: E402
@@ -113,7 +113,7 @@ def main(argv=None):
     tdef, tstate = nnx.split(target)
     drafters = {"speculative": nnx.split(drafter), "retrace": nnx.split(retrace_drafter)}
     start = time.perf_counter()
-    slices = jax.block_until_ready(per_layer_weights(target, "unrolled"))
+    slices = jax.block_until_ready(decode_weights(target, "unrolled"))
     slice_s = time.perf_counter() - start
 
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size - 1, args.prompt_len)
@@ -142,11 +142,11 @@ def main(argv=None):
         for c in configs:
             fn, fargs, dynamic, static, kept = program(*c)
             jax.clear_caches()
-            compiled, times = staged(fn, *fargs, **static, slices=kept)
+            compiled, times = staged(fn, *fargs, **static, kept=kept)
             stages[c].append(times)
             print(f"{' '.join(c)}: trace {times[0]:.2f} s, lower {times[1]:.2f} s, XLA {times[2]:.2f} s", flush=True)
             if r == 0:
-                runs[c] = functools.partial(compiled, *dynamic, slices=kept)  # a compiled program takes no static args
+                runs[c] = functools.partial(compiled, *dynamic, kept=kept)  # a compiled program takes no static args
                 jax.block_until_ready(runs[c]())  # the first run touches fresh memory
     seconds = {c: [] for c in configs}
     for _ in range(args.repeats):

@@ -1,7 +1,9 @@
 """Per-round latency of speculative decoding against one plain decode step (batch 1, after compilation):
 the library's own ``plain_step`` and ``speculative_round`` (through ``PlainStepper`` and
 ``SpeculativeStepper``, with the layer loop that ``generate`` uses), jitted one at a time, and inside them
-the drafter's block and the target's verification pass alone.
+the drafter's block and the target's verification pass alone (each with its LM head and greedy choice,
+compiled as the round compiles them), and what is left of a round without them (the context update,
+acceptance, commits, the ReTrace memory), in a stepped round and in ``rj.generate``'s loop.
 
     python benchmarks/round_latency.py                          # the tiny target (d=128)
     python benchmarks/round_latency.py --width 1024 --layers 8 --vocab 32768
@@ -32,8 +34,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import retrace_jax as rj  # noqa: E402
 from benchmarks.device_check import PRESETS  # noqa: E402  (Qwen3-4B/8B shapes, published drafter)
 from benchmarks.report import median_ms_from, report  # noqa: E402
+from retrace_jax.decoding.layer_loop import decode_weights, merge_target  # noqa: E402
 from retrace_jax.decoding.plain import PlainStepper  # noqa: E402
-from retrace_jax.decoding.sampling import SamplingParams  # noqa: E402
+from retrace_jax.decoding.programs import SEVERAL_ROW_CPU_OPTIONS, DecodeProgram  # noqa: E402
+from retrace_jax.decoding.sampling import SamplingParams, argmax  # noqa: E402
 from retrace_jax.decoding.speculative import SpeculativeStepper, draft_block  # noqa: E402
 from retrace_jax.models.draft_vocab import draft_head, head_logits  # noqa: E402
 from retrace_jax.models.drafter import with_draft_vocab  # noqa: E402
@@ -133,19 +137,25 @@ def main():
         plain.carry = state
         return plain.step().last_b
 
-    @jax.jit
-    def verify(ts, cache, block):
-        return nnx.merge(tdef, ts)(block, cache, feature_layers=ids).hidden
+    # the round's two passes alone, as the round runs them: the same layer loop and kept weights, the
+    # same compiler options, and the head's logits and greedy choice of each
+    kept = decode_weights(target)
 
-    @jax.jit
-    def draft(ts, ds, head, cache, anchor):
-        m, d = nnx.merge(tdef, ts), nnx.merge(ddef, ds)
-        return jnp.argmax(head_logits(m, head, draft_block(m, d, anchor, cache, k)[:, 1:]), -1)
+    def verify(ts, kept, cache, block):
+        m = merge_target(tdef, ts, "auto", kept)
+        return argmax(m.logits(m(block, cache, feature_layers=ids).hidden))
 
+    def draft(ts, kept, ds, head, cache, anchor):
+        m, d = merge_target(tdef, ts, "auto", kept), nnx.merge(ddef, ds)
+        return argmax(head_logits(m, head, draft_block(m, d, anchor, cache, k))[:, 1:])
+
+    verify, draft = (DecodeProgram(f, cpu_extra_options=SEVERAL_ROW_CPU_OPTIONS) for f in (verify, draft))
     ms = {
         "plain_step_ms": median_ms_from(one_step, plain_carry, args.iters),
-        "draft_ms": timed(lambda: draft(tstate, dstate, head, first.draft_cache, first.anchor_b), n=args.iters),
-        "verify_ms": timed(lambda: verify(tstate, first.target_cache, jnp.zeros((1, k), jnp.int32)), n=args.iters),
+        "draft_ms": timed(lambda: draft(tstate, kept, dstate, head, first.draft_cache, first.anchor_b),
+                          n=args.iters),
+        "verify_ms": timed(lambda: verify(tstate, kept, first.target_cache, jnp.zeros((1, k), jnp.int32)),
+                           n=args.iters),
         "round_ms": median_ms_from(one_round, first, args.iters),
     }
     round_ms = ms["round_ms"]
@@ -154,6 +164,7 @@ def main():
     ms["plain_step_in_loop_ms"] = in_loop_ms(target, prompt, {}, args.iters)
     ms["round_in_loop_ms"] = in_loop_ms(target, prompt, {"drafter": drafter, "block_size": k}, args.iters)
     ms["rest_of_round_ms"] = round_ms - ms["draft_ms"] - ms["verify_ms"]  # context update, acceptance, memory
+    ms["rest_of_round_in_loop_ms"] = ms["round_in_loop_ms"] - ms["draft_ms"] - ms["verify_ms"]
     result = {"target": described,
               "drafter": f"{drafter.cfg.num_layers} layers, block {k}" + (" (ReTrace)" if drafter.cfg.retrace else "")
               + (f", draft vocabulary {drafter.cfg.draft_vocab_size}" if drafter.cfg.draft_vocab_size else ""),
@@ -161,7 +172,9 @@ def main():
               **{key: round(v, 4) for key, v in ms.items()},
               # a round must commit this many tokens on average (tau) to match plain decoding's speed
               "round_over_plain_step (break-even tau)": round(round_ms / ms["plain_step_ms"], 2),
-              "in_loop_round_over_plain_step": round(ms["round_in_loop_ms"] / ms["plain_step_in_loop_ms"], 2)}
+              "in_loop_round_over_plain_step": round(ms["round_in_loop_ms"] / ms["plain_step_in_loop_ms"], 2),
+              # the share of an in-loop round that is neither the draft nor the verify pass
+              "rest_share_in_loop": round(ms["rest_of_round_in_loop_ms"] / ms["round_in_loop_ms"], 3)}
     report(result, args.out)
 
 

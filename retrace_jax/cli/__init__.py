@@ -18,8 +18,9 @@ import os
 import sys
 from typing import Callable
 
-USER_ERRORS = (ValueError, OSError)
-# train.py also reports a diverged run (FloatingPointError) and a key missing from its files as one line.
+# FloatingPointError: a model whose logits are not finite (generate refuses to turn NaNs into tokens).
+USER_ERRORS = (ValueError, OSError, FloatingPointError)
+# train.py also reports a diverged run (ArithmeticError) and a key missing from its files as one line.
 TRAIN_ERRORS = USER_ERRORS + (ArithmeticError, KeyError)
 
 

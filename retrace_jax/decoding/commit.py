@@ -15,12 +15,14 @@ from flax import struct
 class OutputBuffer:
     tokens: jax.Array  # [B, O] new tokens (O: the output capacity); entries >= num[b] are padding
     num: jax.Array  # [B] int32: tokens committed so far
-    done: jax.Array  # [B] bool: stop token committed or max_new_tokens reached
+    done: jax.Array  # [B] bool: stop token committed, max_new_tokens reached or non-finite logits met
+    non_finite: jax.Array | None = None  # [B] bool: the target's logits held a NaN or an infinity
 
     @classmethod
     def empty(cls, batch: int, capacity: int, done_b=None):
         done = jnp.zeros((batch,), bool) if done_b is None else done_b
-        return cls(jnp.zeros((batch, capacity), jnp.int32), jnp.zeros((batch,), jnp.int32), done)
+        return cls(jnp.zeros((batch, capacity), jnp.int32), jnp.zeros((batch,), jnp.int32), done,
+                   jnp.zeros((batch,), bool))
 
 
 def commit(buf: OutputBuffer, new_bt, count_b, max_new, stop_ids) -> OutputBuffer:
@@ -43,4 +45,14 @@ def commit(buf: OutputBuffer, new_bt, count_b, max_new, stop_ids) -> OutputBuffe
     tokens = buf.tokens.at[rows, pos].set(new_bt.astype(jnp.int32), mode="drop")
     num = buf.num + take
     hit_stop = jnp.any(is_stop & keep, axis=-1)
-    return OutputBuffer(tokens, num, buf.done | hit_stop | (num >= max_new))
+    return buf.replace(tokens=tokens, num=num, done=buf.done | hit_stop | (num >= max_new))
+
+
+def stop_non_finite(buf: OutputBuffer, logits_b_v) -> OutputBuffer:
+    """Finishes and flags each unfinished row whose target logits (``[B, ..., V]``) hold a NaN or an
+    infinity: a broken model (weights, or a config value such as a negative ``rms_norm_eps``) whose
+    greedy choice would otherwise be an arbitrary token. ``generate`` raises for flagged rows."""
+    total = jnp.sum(logits_b_v.astype(jnp.float32), axis=tuple(range(1, logits_b_v.ndim)))  # NaN or inf spread
+    bad = ~jnp.isfinite(total) & ~buf.done
+    flagged = bad if buf.non_finite is None else buf.non_finite | bad
+    return buf.replace(done=buf.done | bad, non_finite=flagged)

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from retrace_jax.attention import IMPLEMENTATIONS
-from retrace_jax.decoding.layer_loop import per_layer_weights, resolve_layer_loop
+from retrace_jax.decoding.layer_loop import decode_weights, resolve_layer_loop
 from retrace_jax.decoding.plain import plain_generate
 from retrace_jax.decoding.sampling import SamplingMode, SamplingParams
 from retrace_jax.decoding.speculative import speculative_generate
@@ -96,8 +96,8 @@ def generate(
     depth) or as a Python loop over per-layer weights ("unrolled": faster steps on CPU, where a scan
     copies each layer's weights at every step; compile time grows with depth); "auto" is "unrolled" on
     CPU and "scan" on accelerators. The unrolled loop's per-layer copy of the target's layer weights is
-    made on the first call and kept while the target lives (twice the layer weights in memory; see
-    ``retrace_jax.decoding.layer_loop.per_layer_weights``).
+    made on the first call and kept while the target lives (twice the layer weights in memory, and a
+    tied LM head once more; see ``retrace_jax.decoding.layer_loop.decode_weights``).
     """
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh (e.g. rj.make_mesh({mesh!r}) for a string) or None, "
@@ -123,13 +123,14 @@ def generate(
     if mesh is not None:
         tokens, lens, live = (jax.device_put(x, batch_sharding(mesh, x.ndim)) for x in (tokens, lens, live))
     target_def, target_state = nnx.split(target)
-    slices = per_layer_weights(target, layer_loop)
+    kept = decode_weights(target, layer_loop)
     max_new = np.int32(max_new_tokens)
     if drafter is None:
         buf = plain_generate(target_def, target_state, tokens, lens, live, max_new, stops, sampling,
                              capacity=capacity, mode=mode, mesh=mesh, cache_dtype=cache_dtype, attention=attention,
-                             layer_loop=layer_loop, slices=slices)
-        out_tokens, num = _fetch((buf.tokens, buf.num))
+                             layer_loop=layer_loop, kept=kept)
+        out_tokens, num, non_finite = _fetch((buf.tokens, buf.num, buf.non_finite))
+        _check_finite(non_finite[:batch])
         new = [out_tokens[b, : num[b]].tolist() for b in range(batch)]
         return GenerateOutput(tokens=new, acceptance_lengths=[[1] * len(t) for t in new])
 
@@ -141,13 +142,23 @@ def generate(
     buf, accept, rounds = speculative_generate(
         target_def, target_state, drafter_def, drafter_state, tokens, lens, live, max_new, stops, sampling,
         capacity=capacity, block_size=block_size, use_retrace=bool(use_retrace), mode=mode, mesh=mesh,
-        cache_dtype=cache_dtype, attention=attention, layer_loop=layer_loop, slices=slices,
+        cache_dtype=cache_dtype, attention=attention, layer_loop=layer_loop, kept=kept,
     )
-    out_tokens, num, accept, rounds = _fetch((buf.tokens, buf.num, accept, rounds))
+    out_tokens, num, accept, rounds, non_finite = _fetch((buf.tokens, buf.num, accept, rounds, buf.non_finite))
+    _check_finite(non_finite[:batch])
     return GenerateOutput(
         tokens=[out_tokens[b, : num[b]].tolist() for b in range(batch)],
         acceptance_lengths=[accept[b, : rounds[b]].tolist() for b in range(batch)],
     )
+
+
+def _check_finite(non_finite_b) -> None:
+    rows = [int(b) for b in np.flatnonzero(non_finite_b)]
+    if rows:
+        raise FloatingPointError(
+            f"the target's logits were NaN or infinite for prompt(s) {rows}: its weights or its config (e.g. "
+            f"rms_norm_eps, rope_theta) make the forward pass overflow or divide by zero; no tokens are "
+            f"returned, since a greedy choice among NaNs would be an arbitrary token")
 
 
 def _fetch(tree):

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from retrace_jax.decoding.commit import OutputBuffer, commit
-from retrace_jax.decoding.layer_loop import merge_target, per_layer_weights
+from retrace_jax.decoding.commit import OutputBuffer, commit, stop_non_finite
+from retrace_jax.decoding.layer_loop import decode_weights, merge_target
 from retrace_jax.decoding.programs import DecodeProgram
 from retrace_jax.decoding.sampling import SamplingMode, SamplingParams, row_keys, step_keys
 from retrace_jax.models.kv_cache import KVCache
@@ -47,18 +47,19 @@ def plain_init(model, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampl
     consts = StepConstants(row_keys(sampling.seed, batch), jnp.asarray(max_new, jnp.int32), stop_ids, sampling,
                            mode=mode, mesh=mesh, attention=attention)
     first_b = sampling.choose(step_keys(consts.keys_b, jnp.zeros((batch,), jnp.int32)), logits_bv, mode)
-    ones_b = jnp.ones((batch,), jnp.int32)
-    buf = commit(OutputBuffer.empty(batch, capacity, ~live_b), first_b[:, None], ones_b, consts.max_new, stop_ids)
+    buf = stop_non_finite(OutputBuffer.empty(batch, capacity, ~live_b), logits_bv)
+    buf = commit(buf, first_b[:, None], jnp.ones((batch,), jnp.int32), consts.max_new, stop_ids)
     return consts, PlainCarry(cache, buf, first_b)
 
 
 def plain_step(model, consts: StepConstants, c: PlainCarry) -> PlainCarry:
     """One token for every row; finished rows keep their cache length and output."""
     out = model(c.last_b[:, None], c.cache, attention=consts.attention)
-    next_b = consts.sampling.choose(step_keys(consts.keys_b, c.buf.num), model.logits(out.hidden[:, 0]), consts.mode)
+    logits_bv = model.logits(out.hidden[:, 0])
+    next_b = consts.sampling.choose(step_keys(consts.keys_b, c.buf.num), logits_bv, consts.mode)
     lengths = jnp.where(c.buf.done, c.cache.lengths, out.cache.lengths)
-    ones_b = jnp.ones_like(next_b)
-    buf = commit(c.buf, next_b[:, None], ones_b, consts.max_new, consts.stop_ids)
+    buf = stop_non_finite(c.buf, logits_bv)
+    buf = commit(buf, next_b[:, None], jnp.ones_like(next_b), consts.max_new, consts.stop_ids)
     return PlainCarry(out.cache.replace(lengths=lengths).constrain(consts.mesh), buf, next_b)
 
 
@@ -66,16 +67,16 @@ def plain_step(model, consts: StepConstants, c: PlainCarry) -> PlainCarry:
                                                    "attention", "layer_loop"))
 def plain_generate(graphdef, state, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids,
                    sampling: SamplingParams, *, capacity, mode: SamplingMode = SamplingMode(), mesh=None,
-                   cache_dtype=None, attention="auto", layer_loop="auto", slices=None):
+                   cache_dtype=None, attention="auto", layer_loop="auto", kept=None):
     """Greedy or sampled decoding of a right-padded batch; rows with ``live_b`` False are padding.
 
     Row ``b`` draws its ``n``-th token with ``fold_in(fold_in(PRNGKey(seed), b), n)``. With a ``mesh``
     the cache is sharded (batch over data, KV heads over tensor) like the parameters.
-    An unrolled ``layer_loop`` takes the per-layer weights from ``slices`` (see
-    :func:`~retrace_jax.decoding.layer_loop.per_layer_weights`), or slices them itself when it is None.
+    An unrolled ``layer_loop`` takes the per-layer weights and the LM head from ``kept`` (see
+    :func:`~retrace_jax.decoding.layer_loop.decode_weights`), or slices the layers itself when it is None.
     Returns the output buffer (``capacity`` >= ``max_new`` slots per row).
     """
-    model = merge_target(graphdef, state, layer_loop, slices)
+    model = merge_target(graphdef, state, layer_loop, kept)
     consts, init = plain_init(model, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampling,
                               capacity=capacity, mode=mode, mesh=mesh, cache_dtype=cache_dtype, attention=attention)
     final = jax.lax.while_loop(lambda c: ~jnp.all(c.buf.done), lambda c: plain_step(model, consts, c), init)
@@ -90,23 +91,23 @@ class PlainStepper:
 
     def __init__(self, target, layer_loop: str = "auto", **static):
         self._def, self._state = nnx.split(target)
-        self._slices = per_layer_weights(target, layer_loop)
+        self._kept = decode_weights(target, layer_loop)
         self.consts = self.carry = None
 
-        def init(state, slices, *args):
-            return plain_init(merge_target(self._def, state, layer_loop, slices), *args, **static)
+        def init(state, kept, *args):
+            return plain_init(merge_target(self._def, state, layer_loop, kept), *args, **static)
 
-        def step(state, slices, consts, carry):
-            return plain_step(merge_target(self._def, state, layer_loop, slices), consts, carry)
+        def step(state, kept, consts, carry):
+            return plain_step(merge_target(self._def, state, layer_loop, kept), consts, carry)
 
         self._init, self._step = DecodeProgram(init), DecodeProgram(step, donate_argnums=3)  # carry updated in place
 
     def init(self, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampling: SamplingParams) -> PlainCarry:
-        self.consts, self.carry = self._init(self._state, self._slices, tokens_bp, prompt_lens_b, live_b, max_new,
+        self.consts, self.carry = self._init(self._state, self._kept, tokens_bp, prompt_lens_b, live_b, max_new,
                                              stop_ids, sampling)
         return self.carry
 
     def step(self) -> PlainCarry:
         """One token per row; the previous carry is donated (keep a copy to run a step again)."""
-        self.carry = self._step(self._state, self._slices, self.consts, self.carry)
+        self.carry = self._step(self._state, self._kept, self.consts, self.carry)
         return self.carry

@@ -72,10 +72,34 @@ def _top_p_threshold(desc_nc, z_n1, top_p):
     return jnp.min(jnp.where(keep, desc_nc, jnp.inf), axis=-1, keepdims=True)
 
 
+ARGMAX_BLOCK = 128  # vocabulary entries per block of the CPU's two-level argmax
+
+
+def argmax(logits_nv):
+    """``jnp.argmax(logits, -1)`` as int32: the first index of the largest value over the vocabulary.
+    Rows with a NaN get some index (the decode programs report non-finite logits: see
+    :func:`non_finite`).
+
+    On CPU it is taken in two levels, the largest value of each block of ``ARGMAX_BLOCK`` entries, the
+    first block that holds the largest of them, then the first index of it inside that block, because
+    XLA's CPU backend reduces a (value, index) pair element by element: on ``[16, 4096]`` logits the
+    plain argmax took several times longer than the whole two-level one (``benchmarks/lm_head.py``).
+    Elsewhere it is one reduction."""
+    vocab = logits_nv.shape[-1]
+    if jax.default_backend() != "cpu" or vocab < 2 * ARGMAX_BLOCK:
+        return jnp.argmax(logits_nv, -1).astype(jnp.int32)
+    pad = -vocab % ARGMAX_BLOCK  # -inf after the vocabulary: never before an entry it ties with
+    x = jnp.pad(logits_nv, [(0, 0)] * (logits_nv.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
+    blocks = x.reshape(*x.shape[:-1], -1, ARGMAX_BLOCK)
+    best = jnp.argmax(jnp.max(blocks, -1), -1)
+    inside = jnp.take_along_axis(blocks, best[..., None, None], axis=-2)[..., 0, :]
+    return (best * ARGMAX_BLOCK + jnp.argmax(inside, -1)).astype(jnp.int32)
+
+
 def choose(key, logits_nv, temperature, top_k, top_p, mode: SamplingMode):
     """Greedy or sampled tokens ``[N]`` (``key`` is one key per row, ``[N, 2]``, when sampling)."""
     if not mode.sample:
-        return jnp.argmax(logits_nv, -1).astype(jnp.int32)
+        return argmax(logits_nv)
     logp = filtered_logprobs(logits_nv, temperature, top_k, top_p, mode)
     return jax.vmap(jax.random.categorical)(key, logp).astype(jnp.int32)
 

@@ -22,11 +22,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from retrace_jax.decoding.commit import OutputBuffer, commit
-from retrace_jax.decoding.layer_loop import merge_target, per_layer_weights
+from retrace_jax.decoding.commit import OutputBuffer, commit, stop_non_finite
+from retrace_jax.decoding.layer_loop import decode_weights, merge_target
 from retrace_jax.decoding.plain import StepConstants
 from retrace_jax.decoding.programs import SEVERAL_ROW_CPU_OPTIONS, DecodeProgram
-from retrace_jax.decoding.sampling import SamplingMode, SamplingParams, row_keys, step_keys
+from retrace_jax.decoding.sampling import SamplingMode, SamplingParams, argmax, row_keys, step_keys
 from retrace_jax.decoding.verify import (
     accepted_count,
     committed_tokens,
@@ -99,7 +99,7 @@ def make_proposals(keys_b, draft_logits_bjv, sampling: SamplingParams, mode: Sam
         keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys_b)
         index = jax.vmap(jax.random.categorical)(keys, sampling.logprobs(draft_logits_bjv, mode))
     else:
-        index = jnp.argmax(draft_logits_bjv, -1)
+        index = argmax(draft_logits_bjv)
     return to_target_ids(head, index.astype(jnp.int32))
 
 
@@ -109,7 +109,7 @@ def verify_round(keys_b, proposals_bj, draft_logits_bjv, target_logits_bwv, samp
     committed. Greedy: exact match with the target's argmax; ``draft_rule="target_sample"``: match with
     the target's own samples (the official DFlash rule); else rejection sampling."""
     if not mode.sample:
-        choice = jnp.argmax(target_logits_bwv, -1).astype(jnp.int32)
+        choice = argmax(target_logits_bwv)
         a = accepted_count(proposals_bj, choice)
         return a, committed_tokens(proposals_bj, choice, a)
     keys = jax.vmap(lambda k: jax.random.fold_in(k, 2))(keys_b)
@@ -142,7 +142,7 @@ def speculative_init(models, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids
                             block_size=block_size, mode=mode, mesh=mesh, attention=attention,
                             draft_head=draft_head(target, drafter))
     first_b = sampling.choose(step_keys(consts.keys_b, jnp.zeros((batch,), jnp.int32)), logits_bv, mode)
-    buf = OutputBuffer.empty(batch, capacity, ~live_b)
+    buf = stop_non_finite(OutputBuffer.empty(batch, capacity, ~live_b), logits_bv)
     buf = commit(buf, first_b[:, None], jnp.ones((batch,), jnp.int32), consts.max_new, stop_ids)
     memory = None
     if use_retrace and drafter.cfg.retrace is not None:
@@ -178,8 +178,9 @@ def speculative_round(models, consts: RoundConstants, c: SpecCarry) -> tuple[Spe
     proposals = make_proposals(keys, draft_logits, consts.sampling, mode, head)
     block = jnp.concatenate([c.anchor_b[:, None], proposals], axis=1)
     out = target(block, c.target_cache, feature_layers=drafter.cfg.target_layer_ids, attention=consts.attention)
-    a, tokens = verify_round(keys, proposals, draft_logits, target.logits(out.hidden), consts.sampling, mode, head)
-    buf = commit(c.buf, tokens, a + 1, consts.max_new, consts.stop_ids)
+    target_logits = target.logits(out.hidden)
+    a, tokens = verify_round(keys, proposals, draft_logits, target_logits, consts.sampling, mode, head)
+    buf = commit(stop_non_finite(c.buf, target_logits), tokens, a + 1, consts.max_new, consts.stop_ids)
     # A row that finishes keeps its old start: its later (ignored) rounds then stay inside the caches.
     new_start = jnp.where(active & ~buf.done, start + a + 1, start)
     draft_cache = drafter.extend_cache(out.features, c.draft_cache)
@@ -208,7 +209,7 @@ def speculative_round(models, consts: RoundConstants, c: SpecCarry) -> tuple[Spe
 def speculative_generate(target_def, target_state, drafter_def, drafter_state, tokens_bp, prompt_lens_b,
                          live_b, max_new, stop_ids, sampling: SamplingParams, *, capacity, block_size,
                          use_retrace=True, mode: SamplingMode = SamplingMode(), mesh=None, cache_dtype=None,
-                         attention="auto", layer_loop="auto", slices=None):
+                         attention="auto", layer_loop="auto", kept=None):
     """Speculative decoding of a right-padded batch, greedy or by rejection sampling; row ``b`` uses key
     ``fold_in(PRNGKey(seed), b)`` folded with its step (0 for prefill, round + 1 after).
 
@@ -216,9 +217,10 @@ def speculative_generate(target_def, target_state, drafter_def, drafter_state, t
     False. With a ``mesh`` both caches are sharded (batch over data, KV heads over tensor). Returns the
     output buffer, the acceptance lengths ``[B, capacity]`` and the rounds per row. ``layer_loop``:
     "scan" or "unrolled" (see ``TargetModel.unroll_layers``); an unrolled loop takes the target's per-layer
-    weights from ``slices`` (see :func:`~retrace_jax.decoding.layer_loop.per_layer_weights`), or slices them itself.
+    weights and LM head from ``kept`` (see :func:`~retrace_jax.decoding.layer_loop.decode_weights`), or slices
+    the layers itself.
     """
-    models = (merge_target(target_def, target_state, layer_loop, slices), nnx.merge(drafter_def, drafter_state))
+    models = (merge_target(target_def, target_state, layer_loop, kept), nnx.merge(drafter_def, drafter_state))
     consts, init = speculative_init(models, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampling,
                                     capacity=capacity, block_size=block_size, use_retrace=use_retrace, mode=mode,
                                     mesh=mesh, cache_dtype=cache_dtype, attention=attention)
@@ -233,36 +235,36 @@ class SpeculativeStepper:
     exactly those of :func:`speculative_generate` (same function), so the outputs are identical.
 
     With the unrolled layer loop (the CPU default) it uses the target's kept per-layer weights, as
-    ``generate`` does (:func:`~retrace_jax.decoding.layer_loop.per_layer_weights`)."""
+    ``generate`` does (:func:`~retrace_jax.decoding.layer_loop.decode_weights`)."""
 
     def __init__(self, target, drafter, layer_loop: str = "auto", **static):
         self._layer_loop = layer_loop
         self._defs = (nnx.graphdef(target), nnx.graphdef(drafter))
         self._states = (nnx.state(target), nnx.state(drafter))
-        self._slices = per_layer_weights(target, layer_loop)
+        self._kept = decode_weights(target, layer_loop)
         self.consts = self.carry = None
 
-        def init(states, slices, *args):
-            return speculative_init(self._models(states, slices), *args, **static)
+        def init(states, kept, *args):
+            return speculative_init(self._models(states, kept), *args, **static)
 
-        def step(states, slices, consts, carry):
-            return speculative_round(self._models(states, slices), consts, carry)
+        def step(states, kept, consts, carry):
+            return speculative_round(self._models(states, kept), consts, carry)
 
         self._init = DecodeProgram(init, cpu_extra_options=SEVERAL_ROW_CPU_OPTIONS)
         self._step = DecodeProgram(step, cpu_extra_options=SEVERAL_ROW_CPU_OPTIONS, donate_argnums=3)  # in place
 
-    def _models(self, states, slices):
-        return (merge_target(self._defs[0], states[0], self._layer_loop, slices), nnx.merge(self._defs[1], states[1]))
+    def _models(self, states, kept):
+        return (merge_target(self._defs[0], states[0], self._layer_loop, kept), nnx.merge(self._defs[1], states[1]))
 
     def init(self, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampling: SamplingParams) -> SpecCarry:
-        self.consts, self.carry = self._init(self._states, self._slices, tokens_bp, prompt_lens_b, live_b, max_new,
+        self.consts, self.carry = self._init(self._states, self._kept, tokens_bp, prompt_lens_b, live_b, max_new,
                                              stop_ids, sampling)
         return self.carry
 
     def step(self) -> RoundInfo:
         """One round; the previous carry is donated (its buffers are reused), so keep a copy
         (``jax.tree.map(jnp.copy, stepper.carry)``) to run a round again from the same state."""
-        self.carry, info = self._step(self._states, self._slices, self.consts, self.carry)
+        self.carry, info = self._step(self._states, self._kept, self.consts, self.carry)
         return info
 
     @property

@@ -76,9 +76,10 @@ def coverage(counts, ids) -> float:
 
 
 class DraftHead(NamedTuple):
-    """The rows of the target's LM head that score a draft vocabulary (computed once per program)."""
+    """The columns of the target's LM head that score a draft vocabulary (computed once per program),
+    laid out ``[d, U]`` as the CPU multiplies fastest (see ``retrace_jax.decoding.layer_loop.DecodeWeights``)."""
 
-    weight_ud: jax.Array  # [U, d]
+    weight_du: jax.Array  # [d, U]
     ids_u: jax.Array  # [U] target token ids, ascending
 
 
@@ -88,14 +89,14 @@ def draft_head(target, drafter) -> DraftHead | None:
     if vocab is None:
         return None
     ids = vocab.get_value()
-    return DraftHead(jnp.take(target.head_weight(), ids, axis=0), ids)
+    return DraftHead(jnp.take(target.head_weight(), ids, axis=0).T, ids)
 
 
 def head_logits(target, head: DraftHead | None, hidden_btd):
     """Logits over the draft vocabulary ``[..., U]`` (the whole vocabulary ``[..., V]`` without one)."""
     if head is None:
         return target.logits(hidden_btd)
-    return jnp.einsum("...d,ud->...u", hidden_btd.astype(head.weight_ud.dtype), head.weight_ud)
+    return jnp.dot(hidden_btd.astype(head.weight_du.dtype), head.weight_du)
 
 
 def to_target_ids(head: DraftHead | None, index):

@@ -64,9 +64,13 @@ class TargetModel(nnx.Module):
         return self.embed_tokens(tokens_bt)
 
     def logits(self, hidden_btd):
-        """LM head (tied to the embedding when the config says so). The tied head contracts the
+        """LM head (tied to the embedding when the config says so). The tied head multiplies by a kept
+        ``[d, V]`` copy of the embedding when it has one (:meth:`with_head_dv`), else contracts the
         embedding's ``d`` axis in place (``Embed.attend`` transposes it first, and on CPU XLA then copies
         the whole ``[V, d]`` embedding at every decode step)."""
+        head_dv = getattr(self, "_head_dv", None)
+        if head_dv is not None:
+            return jnp.dot(hidden_btd.astype(head_dv.dtype), head_dv)
         if self.cfg.tie_word_embeddings:
             embedding = self.embed_tokens.embedding[...]
             return jnp.einsum("...d,vd->...v", hidden_btd.astype(embedding.dtype), embedding)
@@ -91,10 +95,18 @@ class TargetModel(nnx.Module):
         A scan slices each layer's weights out of the stacked arrays at every step, and on CPU that slice
         is a copy, which made batch-1 decoding of SmolLM2-135M (memory-bound) 1.6x slower; the unrolled
         loop avoids it at the price of a second copy of the layer weights and an XLA compile time that
-        grows with depth (JAX traces the block once: see :meth:`run_layers`). ``generate(layer_loop="unrolled")`` uses it with the copies that
-        :func:`per_layer_weights` keeps beside the target, so that its programs slice nothing (its prefill
-        still scans: see :func:`prefill`)."""
+        grows with depth (JAX traces the block once: see :meth:`run_layers`).
+        ``generate(layer_loop="unrolled")`` uses it with the copies that
+        :func:`~retrace_jax.decoding.layer_loop.decode_weights` keeps beside the target, so that its
+        programs slice nothing (its prefill still scans: see :func:`prefill`)."""
         object.__setattr__(self, "_per_layer", self.layer_slices() if slices is None else list(slices))
+        return self
+
+    def with_head_dv(self, head_dv) -> "TargetModel":
+        """Makes :meth:`logits` multiply by ``head_dv``, a ``[d, V]`` copy of the tied head (the decode
+        programs' kept copy: :class:`~retrace_jax.decoding.layer_loop.DecodeWeights`); None: no change."""
+        if head_dv is not None:
+            object.__setattr__(self, "_head_dv", head_dv)
         return self
 
     def run_layers(self, x_btd, positions_bt, attend_at, carry, feature_layers: Sequence[int] = (),

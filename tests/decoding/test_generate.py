@@ -138,25 +138,27 @@ def test_steppers_commit_what_generate_commits(layer_loop):
 
 
 def test_unrolled_programs_keep_per_layer_weights_that_follow_the_target():
-    """An unrolled program takes the target's layers as per-layer copies made once and kept beside the
-    target: the same copies for every call, new ones when the weights change (never stale ones), and
-    none left once the target is gone."""
+    """An unrolled program takes the target's layers as per-layer copies, and a tied head as a [d, V]
+    copy, made once and kept beside the target: the same copies for every call, new ones when the
+    weights change (never stale ones), and none left once the target is gone."""
     import gc
     import weakref
 
     import numpy as np
 
-    from retrace_jax.decoding.layer_loop import per_layer_weights
+    from retrace_jax.decoding.layer_loop import decode_weights
     from retrace_jax.models.tiny import tiny_target
 
     target = tiny_target()
-    first = per_layer_weights(target, "unrolled")
-    assert per_layer_weights(target, "unrolled") is first
-    assert per_layer_weights(target, "scan") is None
+    assert target.cfg.tie_word_embeddings
+    first = decode_weights(target, "unrolled")
+    assert decode_weights(target, "unrolled") is first
+    assert decode_weights(target, "scan") is None
     stacked = target.layers.mlp.down_proj.kernel[...]
-    assert len(first) == target.cfg.num_layers
-    for i, layer in enumerate(first):
+    assert len(first.layers) == target.cfg.num_layers
+    for i, layer in enumerate(first.layers):
         np.testing.assert_array_equal(layer["mlp"]["down_proj"]["kernel"][...], stacked[i])
+    np.testing.assert_array_equal(first.head_dv, target.embed_tokens.embedding[...].T)
 
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
     before = rj.generate(target, prompts, 12, layer_loop="unrolled").tokens
@@ -164,11 +166,17 @@ def test_unrolled_programs_keep_per_layer_weights_that_follow_the_target():
     after = rj.generate(target, prompts, 12, layer_loop="unrolled").tokens
     assert after != before  # the new weights were used
     assert after == rj.generate(target, prompts, 12, layer_loop="scan").tokens
-    again = per_layer_weights(target, "unrolled")
+    again = decode_weights(target, "unrolled")
     assert again is not first
-    np.testing.assert_array_equal(again[1]["mlp"]["down_proj"]["kernel"][...], -stacked[1])
+    np.testing.assert_array_equal(again.layers[1]["mlp"]["down_proj"]["kernel"][...], -stacked[1])
 
-    kept = weakref.ref(again[0]["mlp"]["down_proj"]["kernel"][...])
+    embedding = target.embed_tokens.embedding[...]  # a new embedding: a new head copy
+    target.embed_tokens.embedding.set_value(embedding[::-1])
+    moved = rj.generate(target, prompts, 12, layer_loop="unrolled").tokens
+    assert moved == rj.generate(target, prompts, 12, layer_loop="scan").tokens
+    np.testing.assert_array_equal(decode_weights(target, "unrolled").head_dv, embedding[::-1].T)
+
+    kept = weakref.ref(again.layers[0]["mlp"]["down_proj"]["kernel"][...])
     del target, first, again, layer
     gc.collect()
     assert kept() is None

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import retrace_jax as rj
-from retrace_jax.decoding.layer_loop import per_layer_weights
+from retrace_jax.decoding.layer_loop import decode_weights
 from retrace_jax.models.kv_cache import KVCache
 from retrace_jax.models.target import prefill
 
@@ -34,7 +34,7 @@ def test_cached_decoding_with_ragged_rows_matches_hf(family, hf_model_dir, layer
     model, directory = hf_model_dir(family)
     target = rj.load_target(directory)
     if layer_loop == "unrolled":
-        target.unroll_layers(per_layer_weights(target, "unrolled"))  # the decode steps; the prefill scans
+        target.unroll_layers(decode_weights(target, "unrolled").layers)  # the decode steps; the prefill scans
     rng = np.random.RandomState(1)
     lens = [3, 7]
     seqs = [rng.randint(0, 128, (lens[b] + 6,)) for b in range(2)]
