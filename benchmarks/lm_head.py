@@ -7,7 +7,7 @@ drafted block multiplies them at every round.
 Times, in milliseconds per call (medians of 5 runs of ``--iters`` calls, one process), the product of
 ``rows`` hidden states with the head laid out ``[V, d]`` (the tied embedding, contracted on ``d``) and
 ``[d, V]`` (the copy that ``retrace_jax.decoding.layer_loop.decode_weights`` keeps), under XLA's default
-CPU options (YNNPACK) and the speculative programs' (``SEVERAL_ROW_CPU_OPTIONS``: Eigen); and
+CPU options (YNNPACK, which the decode programs use) and with ``SEVERAL_ROW_CPU_OPTIONS`` (Eigen); and
 ``jnp.argmax`` against the library's two-level ``argmax`` on the logits.
 """
 

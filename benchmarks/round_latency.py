@@ -36,7 +36,7 @@ from benchmarks.device_check import PRESETS  # noqa: E402  (Qwen3-4B/8B shapes, 
 from benchmarks.report import median_ms_from, report  # noqa: E402
 from retrace_jax.decoding.layer_loop import decode_weights, merge_target  # noqa: E402
 from retrace_jax.decoding.plain import PlainStepper  # noqa: E402
-from retrace_jax.decoding.programs import SEVERAL_ROW_CPU_OPTIONS, DecodeProgram  # noqa: E402
+from retrace_jax.decoding.programs import DecodeProgram  # noqa: E402
 from retrace_jax.decoding.sampling import SamplingParams, argmax  # noqa: E402
 from retrace_jax.decoding.speculative import SpeculativeStepper, draft_block  # noqa: E402
 from retrace_jax.models.draft_vocab import draft_head, head_logits  # noqa: E402
@@ -149,7 +149,7 @@ def main():
         m, d = merge_target(tdef, ts, "auto", kept), nnx.merge(ddef, ds)
         return argmax(head_logits(m, head, draft_block(m, d, anchor, cache, k))[:, 1:])
 
-    verify, draft = (DecodeProgram(f, cpu_extra_options=SEVERAL_ROW_CPU_OPTIONS) for f in (verify, draft))
+    verify, draft = DecodeProgram(verify), DecodeProgram(draft)
     ms = {
         "plain_step_ms": median_ms_from(one_step, plain_carry, args.iters),
         "draft_ms": timed(lambda: draft(tstate, kept, dstate, head, first.draft_cache, first.anchor_b),

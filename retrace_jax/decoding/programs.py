@@ -67,12 +67,10 @@ def compile_seconds():
 # both). GPUs and TPUs compile with XLA's defaults.
 CPU_COMPILER_OPTIONS = {"xla_cpu_opt_preset": "CPU_OPT_PRESET_FAST_COMPILE"}
 
-# Options for the speculative programs, whose hot products have several rows (the verify pass's and
-# the draft block's): an empty YNNPACK fusion type sends them to Eigen instead of YNNPACK, which makes
-# DFlash and ReTrace rounds faster at the demo's shapes. Plain decoding, whose products have one row, is
-# slower with it, so plain programs go without (benchmarks/compile_time.py --retrace; docs/performance.md
-# measures both). The option is experimental in XLA: it is kept only where a trivial program compiles
-# with it.
+# Products of several rows through Eigen instead of YNNPACK. The speculative programs used them until
+# the LM head was kept as [d, V]; since then they run as fast or faster without (docs/performance.md),
+# so no program does. Kept for benchmarks/lm_head.py, which compares the two. The option is
+# experimental in XLA: cpu_compiler_options keeps it only where a trivial program compiles with it.
 SEVERAL_ROW_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 

@@ -25,7 +25,7 @@ from flax import nnx, struct
 from retrace_jax.decoding.commit import OutputBuffer, commit, stop_non_finite
 from retrace_jax.decoding.layer_loop import decode_weights, merge_target
 from retrace_jax.decoding.plain import StepConstants
-from retrace_jax.decoding.programs import SEVERAL_ROW_CPU_OPTIONS, DecodeProgram
+from retrace_jax.decoding.programs import DecodeProgram
 from retrace_jax.decoding.sampling import SamplingMode, SamplingParams, argmax, row_keys, step_keys
 from retrace_jax.decoding.verify import (
     accepted_count,
@@ -169,10 +169,9 @@ def speculative_round(models, consts: RoundConstants, c: SpecCarry) -> tuple[Spe
     start = c.target_cache.lengths
     draft_hidden = draft_block(target, drafter, c.anchor_b, c.draft_cache, block_size, c.memory, consts.attention)
     head = consts.draft_head
-    # The head multiplies every block row, the anchor's included, and drops the anchor's logits after: on
-    # CPU the speculative programs send several-row products to Eigen (decoding/programs.py), which
-    # multiplies 7 rows by a large vocabulary far more slowly than 8 (docs/performance.md measures it);
-    # on accelerators the extra row costs next to nothing.
+    # The head multiplies every block row, the anchor's included, and drops the anchor's logits after: XLA's
+    # CPU backend multiplies 7 rows by the head more slowly than 8, and 15 about as fast as 16
+    # (benchmarks/lm_head.py --rows 7,8,15,16); on accelerators the extra row costs next to nothing.
     draft_logits = head_logits(target, head, draft_hidden)[:, 1:]  # [B, J, U] ([B, J, V] without a draft vocab)
     keys = step_keys(consts.keys_b, c.rounds_b + 1)
     proposals = make_proposals(keys, draft_logits, consts.sampling, mode, head)
@@ -202,7 +201,6 @@ def speculative_round(models, consts: RoundConstants, c: SpecCarry) -> tuple[Spe
 
 @functools.partial(
     DecodeProgram,
-    cpu_extra_options=SEVERAL_ROW_CPU_OPTIONS,
     static_argnames=("target_def", "drafter_def", "capacity", "block_size", "use_retrace", "mode", "mesh",
                      "cache_dtype", "attention", "layer_loop"),
 )
@@ -250,8 +248,8 @@ class SpeculativeStepper:
         def step(states, kept, consts, carry):
             return speculative_round(self._models(states, kept), consts, carry)
 
-        self._init = DecodeProgram(init, cpu_extra_options=SEVERAL_ROW_CPU_OPTIONS)
-        self._step = DecodeProgram(step, cpu_extra_options=SEVERAL_ROW_CPU_OPTIONS, donate_argnums=3)  # in place
+        self._init = DecodeProgram(init)
+        self._step = DecodeProgram(step, donate_argnums=3)  # in place
 
     def _models(self, states, kept):
         return (merge_target(self._defs[0], states[0], self._layer_loop, kept), nnx.merge(self._defs[1], states[1]))
