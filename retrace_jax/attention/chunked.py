@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-NEG = -1e30  # finite "minus infinity": fully masked chunks stay NaN-free
+NEG = -1e30  # the running max starts here (finite): see online_update
 
 
 def walk_cache(q_btkgd, limit_bt, *, k_lbskd, v_lbskd, layer, chunk, extra, lo_b=None, state=None):
@@ -15,19 +15,20 @@ def walk_cache(q_btkgd, limit_bt, *, k_lbskd, v_lbskd, layer, chunk, extra, lo_b
     chunks ``floor(min(lo) / C) .. ceil(max(limit) / C) - 1``. ``state`` continues a softmax already
     started (``(m, l, acc)``, ``[B, K, G, T]`` and ``[B, K, G, T, D]``; empty by default)."""
     b, t, kv, g, d = q_btkgd.shape
+    q_bkgtd = q_btkgd.transpose(0, 2, 3, 1, 4)  # once, not in every chunk's product
     if state is None:
         state = (jnp.full((b, kv, g, t), NEG, jnp.float32), jnp.zeros((b, kv, g, t), jnp.float32),
                  jnp.zeros((b, kv, g, t, d), jnp.float32))
     if extra is not None:
         k_e, v_e = extra
-        scores = jnp.einsum("btkgd,bekd->bkgte", q_btkgd, k_e.astype(q_btkgd.dtype),
+        scores = jnp.einsum("bkgtd,bekd->bkgte", q_bkgtd, k_e.astype(q_btkgd.dtype),
                             preferred_element_type=jnp.float32) * d**-0.5
         state = online_update(state, scores, jnp.ones((b, t, k_e.shape[1]), bool), v_e)
 
     def one_chunk(j, state):
         start = j * chunk
         k_c, v_c = (cache_chunk(buf, layer, start, chunk) for buf in (k_lbskd, v_lbskd))
-        scores = jnp.einsum("btkgd,bckd->bkgtc", q_btkgd, k_c.astype(q_btkgd.dtype),
+        scores = jnp.einsum("bkgtd,bckd->bkgtc", q_bkgtd, k_c.astype(q_btkgd.dtype),
                             preferred_element_type=jnp.float32) * d**-0.5
         slots = (start + jnp.arange(chunk))[None, None, :]
         visible = slots < limit_bt[:, :, None]  # [B, T, C]
@@ -59,10 +60,12 @@ def online_update(state, scores_bkgtc, visible_btc, v_bckd):
     """One step of the online softmax: folds the visible scores of one chunk of keys and their values
     into ``state = (running max, running sum, weighted values)``."""
     m, l, acc = state
-    visible = visible_btc[:, None, None]
-    scores = jnp.where(visible, scores_bkgtc, NEG)
-    m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
-    p = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
+    # Hidden scores are -inf and the running max is at least the finite NEG, so exp(score - max) is
+    # exactly 0 for them (no second mask) and nothing is ever -inf - -inf (NaN), also in a chunk or a
+    # row where every slot is hidden.
+    scores = jnp.where(visible_btc[:, None, None], scores_bkgtc, -jnp.inf)
+    m_new = jnp.maximum(jnp.maximum(m, jnp.max(scores, axis=-1)), NEG)
+    p = jnp.exp(scores - m_new[..., None])
     scale = jnp.exp(m - m_new)
     l = l * scale + jnp.sum(p, axis=-1)
     pv = jnp.einsum("bkgtc,bckd->bkgtd", p.astype(v_bckd.dtype), v_bckd, preferred_element_type=jnp.float32)

@@ -2,6 +2,7 @@
 
     python decode.py                     # the demo: real SmolLM2-135M-Instruct + the drafter shipped with this project
     python decode.py --target DIR --drafter DRAFTER_DIR --prompt "Write a haiku about JAX."
+    python decode.py --target lab        # the laboratory pair (lab/): where speculative decoding pays on a CPU
     python decode.py --target tiny       # a smoke run: tiny random Qwen3, random drafter (τ near 1)
 
 Prints the model and the prompt, a progress line for each program it compiles (with the seconds the
@@ -30,15 +31,29 @@ from retrace_jax.models.tiny import tiny_target
 from retrace_jax.training.data import byte_encoder, chat_encoder, load_tokenizer
 
 DEMO_MODEL = "smollm2-135m-instruct"
+DEFAULT_PROMPT = "Explain speculative decoding in one paragraph."
+# The laboratory pair (lab/README.md): a small code model trained on the standard library and its DFlash
+# drafter, in the repository's lab/ folder. Its default prompt is the start of a Python module, raw text.
+LAB_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "lab")
+LAB_PROMPT = '''"""Helpers for reading and writing configuration files."""
+
+import json
+import os
+
+
+def read_config(path):
+    """Returns the configuration stored in the JSON file at path."""
+'''
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help='Hugging Face model directory (config.json, safetensors, tokenizer), '
-                                    '"tiny" for the tiny random Qwen3 (token ids, no tokenizer), or '
+                                    '"tiny" for the tiny random Qwen3 (token ids, no tokenizer), "lab" for the '
+                                    'laboratory pair of lab/ (a code model and its drafter; raw text), or '
                                     f'{DEMO_MODEL} (fetched on first use); default: the demo')
     p.add_argument("--drafter", help="DFlash or ReTrace drafter directory (official DFlash layout)")
-    p.add_argument("--prompt", default="Explain speculative decoding in one paragraph.")
+    p.add_argument("--prompt", default=None, help="default: a question (the demo), a Python module's start (lab)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=None, help="override the drafter's block size")
@@ -107,7 +122,7 @@ def check_args(args) -> None:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.drafter and not args.target:
         raise ValueError("--drafter needs --target (the model it was trained for)")
-    if args.target and args.target not in ("tiny", DEMO_MODEL) and not os.path.isdir(args.target):
+    if args.target and args.target not in ("tiny", "lab", DEMO_MODEL) and not os.path.isdir(args.target):
         raise FileNotFoundError(f"target directory not found: {args.target}")
     if args.drafter and not os.path.isdir(args.drafter):
         raise FileNotFoundError(f"drafter directory not found: {args.drafter}")
@@ -126,6 +141,14 @@ def run(argv=None):
                   flush=True)
             args.drafter = rj.assets.shipped_drafter(DEMO_MODEL)
         args.target = rj.assets.fetch(DEMO_MODEL)
+    if args.target == "lab":
+        if not os.path.isdir(os.path.join(LAB_DIR, "target")):
+            raise FileNotFoundError(f"the laboratory pair is in the repository's lab/ folder ({LAB_DIR} not found): "
+                                    f"run decode.py from a clone of the repository")
+        args.target, args.raw = os.path.join(LAB_DIR, "target"), True
+        args.drafter = args.drafter or os.path.join(LAB_DIR, "drafters", "B")
+        args.prompt = LAB_PROMPT if args.prompt is None else args.prompt
+    args.prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
     if args.target == "tiny":
         target, tokenizer = tiny_target(dtype=args.dtype), None
         ids = byte_encoder(target.cfg.vocab_size)([{"role": "user", "content": args.prompt}])
