@@ -16,11 +16,11 @@ from retrace_jax.decoding.plain import plain_generate
 from retrace_jax.decoding.sampling import SamplingMode, SamplingParams
 from retrace_jax.decoding.speculative import speculative_generate
 from retrace_jax.io.checkpoints import resolve_dtype
-from retrace_jax.models.config import short_repr
 from retrace_jax.models.drafter import DFlashDrafter, check_drafter_matches
 from retrace_jax.models.target import TargetModel
 from retrace_jax.parallel.placement import shard_model
 from retrace_jax.parallel.sharding import axis_size, batch_sharding
+from retrace_jax.validation import short_repr
 
 MIN_BUCKET = 16
 STOP_BUCKET = 8

@@ -48,7 +48,7 @@ CHECKPOINT_CASES = {
         rj.ConfigError, r"config\.json must hold a JSON object, not list"),
     "config.json with a field of the wrong type": (
         lambda d: edit_config(d, lambda c: c.update(num_attention_heads="four")),
-        rj.ConfigError, r"config\.json: num_attention_heads must be a positive integer, got 'four'"),
+        rj.ConfigError, r"config\.json: num_attention_heads: expected an integer, got 'four'"),
     "truncated model.safetensors": (
         lambda d: _truncate(os.path.join(d, "model.safetensors")),
         rj.CheckpointError, r"model\.safetensors is not a readable safetensors file \(truncated or corrupt\?\)"),
@@ -168,7 +168,7 @@ def test_drafter_config_json_errors_name_the_file(target, tmp_path):
     path = str(tmp_path / "d")
     rj.save_drafter(_drafter(target), path)
     edit_config(path, lambda c: c.update(num_hidden_layers=0))
-    with pytest.raises(rj.ConfigError, match=r"config.json: num_hidden_layers must be a positive integer, got 0"):
+    with pytest.raises(rj.ConfigError, match=r"config.json: num_hidden_layers: must be >= 1, got 0"):
         rj.load_drafter(path, target)
     _write(os.path.join(path, "config.json"), "{oops")
     with pytest.raises(rj.ConfigError, match=r"d/config\.json is not valid JSON"):
