@@ -65,6 +65,7 @@ def message(error: dict) -> str:
         return f"expected {TYPE_ERRORS[kind]}, got {got}"
     if kind in BOUNDS:
         bound = next(iter(ctx.values()))
+        bound = int(bound) if isinstance(bound, float) and bound.is_integer() else bound  # 1, not 1.0
         return f"must be {BOUNDS[kind]} {bound}, got {got}"
     if kind == "finite_number":
         return f"must be a finite number, got {got}"
@@ -87,14 +88,14 @@ def problems(err: ValidationError) -> list[tuple[str, str]]:
 
 
 def join(found: list[tuple[str, str]], source: str | Callable[[str], str] = "", parent: str = "") -> str:
-    """``"source: parent.path: message; ..."``: ``source`` names where the values came from (a file, or
-    a function of the path), ``parent`` the object that holds the fields (``"retrace_config"``)."""
+    """``"source: parent.path: message; ..."``: ``source`` names where the values came from (a file), or
+    is a function of the path that returns the whole prefix (``"--set "``); ``parent`` names the object
+    that holds the fields (``"retrace_config"``)."""
     lines = []
     for path, text in found:
         full = ".".join(filter(None, (parent, path)))
-        line = f"{full}: {text}" if full else text
-        where = source(path) if callable(source) else source
-        lines.append(f"{where}: {line}" if where else line)
+        prefix = source(path) if callable(source) else f"{source}: " if source else ""
+        lines.append(prefix + (f"{full}: {text}" if full else text))
     return "; ".join(lines)
 
 

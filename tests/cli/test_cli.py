@@ -36,7 +36,7 @@ def test_train_then_decode_tiny(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--set", "train.stpes=3"], "error: unknown config key 'train.stpes'"),
+    (["--set", "train.stpes=3"], "error: --set train.stpes: unknown key; did you mean 'steps'?"),
     (["--config", "NONE"], "error: config file not found: "),
 ])
 def test_train_config_errors_are_one_line(argv, message, tmp_path, capsys):
