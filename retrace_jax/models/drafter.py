@@ -229,22 +229,12 @@ class DFlashDrafter(nnx.Module):
         return self.run_layers(emb_btd, positions, attend_at)
 
 
-def init_drafter(target_cfg, *, mask_token_id: int, num_layers: int = 1, block_size: int = 16,
-                 target_layer_ids=None, intermediate_size=None, retrace: ReTraceConfig | None = None,
-                 dtype=jnp.float32, seed: int = 0, draft_vocab=None) -> DFlashDrafter:
-    """A randomly initialised drafter shaped for ``target_cfg`` (a :class:`~retrace_jax.ModelConfig`):
-    the target's width, heads and RoPE; features from ``target_layer_ids`` (official default if None).
-    With ``retrace`` it is a ReTrace drafter whose fusion starts at zero (exactly DFlash). ``draft_vocab``
-    (ascending token ids, e.g. from :func:`~retrace_jax.models.draft_vocab.frequent_tokens`) limits its
-    proposals to those tokens; None: the whole vocabulary."""
-    for name, value, low in (("num_layers", num_layers, 1), ("block_size", block_size, 2)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-            raise ValueError(f"init_drafter: {name} must be an integer >= {low}, got {value!r}")
-    if not isinstance(mask_token_id, numbers.Integral) or not 0 <= mask_token_id < target_cfg.vocab_size:
-        raise ValueError(f"init_drafter: mask_token_id must be a token id in [0, {target_cfg.vocab_size}), "
-                         f"got {mask_token_id!r}")
-    ids = None if draft_vocab is None else check_ids(draft_vocab, target_cfg.vocab_size, "init_drafter: draft_vocab")
-    cfg = DrafterConfig(
+def drafter_config(target_cfg, *, mask_token_id: int, num_layers: int = 1, block_size: int = 16,
+                   target_layer_ids=None, intermediate_size=None, retrace: ReTraceConfig | None = None,
+                   draft_vocab_size: int | None = None) -> DrafterConfig:
+    """The config of a new drafter for ``target_cfg`` (see :func:`init_drafter`): checked, with nothing
+    allocated, so a training run can refuse a bad one before it does any work."""
+    return DrafterConfig(
         hidden_size=target_cfg.hidden_size,
         intermediate_size=intermediate_size or target_cfg.intermediate_size,
         num_layers=num_layers,
@@ -260,8 +250,28 @@ def init_drafter(target_cfg, *, mask_token_id: int, num_layers: int = 1, block_s
         num_target_layers=target_cfg.num_layers,
         vocab_size=target_cfg.vocab_size,
         retrace=retrace,
-        draft_vocab_size=None if ids is None else len(ids),
+        draft_vocab_size=draft_vocab_size,
     )
+
+
+def init_drafter(target_cfg, *, mask_token_id: int, num_layers: int = 1, block_size: int = 16,
+                 target_layer_ids=None, intermediate_size=None, retrace: ReTraceConfig | None = None,
+                 dtype=jnp.float32, seed: int = 0, draft_vocab=None) -> DFlashDrafter:
+    """A randomly initialised drafter shaped for ``target_cfg`` (a :class:`~retrace_jax.ModelConfig`):
+    the target's width, heads and RoPE; features from ``target_layer_ids`` (official default if None).
+    With ``retrace`` it is a ReTrace drafter whose fusion starts at zero (exactly DFlash). ``draft_vocab``
+    (ascending token ids, e.g. from :func:`~retrace_jax.models.draft_vocab.frequent_tokens`) limits its
+    proposals to those tokens; None: the whole vocabulary."""
+    for name, value, low in (("num_layers", num_layers, 1), ("block_size", block_size, 2)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+            raise ValueError(f"init_drafter: {name} must be an integer >= {low}, got {value!r}")
+    if not isinstance(mask_token_id, numbers.Integral) or not 0 <= mask_token_id < target_cfg.vocab_size:
+        raise ValueError(f"init_drafter: mask_token_id must be a token id in [0, {target_cfg.vocab_size}), "
+                         f"got {mask_token_id!r}")
+    ids = None if draft_vocab is None else check_ids(draft_vocab, target_cfg.vocab_size, "init_drafter: draft_vocab")
+    cfg = drafter_config(target_cfg, mask_token_id=mask_token_id, num_layers=num_layers, block_size=block_size,
+                         target_layer_ids=target_layer_ids, intermediate_size=intermediate_size, retrace=retrace,
+                         draft_vocab_size=None if ids is None else len(ids))
     drafter = DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
     if ids is not None:
         drafter.draft_vocab.set_value(jnp.asarray(ids))

@@ -40,7 +40,7 @@ def workspace(tmp_path_factory):
     config = {
         "target": target_dir,
         "data": {"prompts": str(prompts), "num_prompts": None, "eval_prompts": 4, "max_new_tokens": 32,
-                 "shard_size": 16, "dir": str(root / "data")},
+                 "shard_size": 16, "dir": str(root / "data"), "max_prompt_len": 200},  # 232 of 256 positions
         "drafter": {"num_layers": 1, "block_size": 4, "mask_token_id": 127},
         "train": {"steps": 40, "batch_size": 8, "seq_len": 48, "num_anchors": 6, "lr": 3e-3, "log_every": 1,
                   "checkpoint_every": 20, "eval_max_new_tokens": 24},
