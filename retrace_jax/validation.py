@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 import numpy as np
-from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from retrace_jax.errors import ConfigError
@@ -140,3 +140,30 @@ def config_dataclass(cls=None, /, **kwargs):
         return cls
 
     return wrap if cls is None else wrap(cls)
+
+
+def _none_as(default):
+    return BeforeValidator(lambda value: default if value is None else value)
+
+
+class GenerateArguments(BaseModel):
+    """The scalar arguments of ``rj.generate``, checked before anything is traced: a string, a float or a
+    bool where an integer is due would fail deep inside tracing or be truncated (``int(8.7)``), and
+    ``bool("no")`` is True. ``top_k=None`` and ``top_p=None`` mean no filter, as 0 and 1.0 do."""
+
+    model_config = STRICT
+    max_new_tokens: PositiveInt
+    temperature: NonNegativeNumber
+    top_k: Annotated[NonNegativeInt, _none_as(0)]
+    top_p: Annotated[Number, Field(gt=0, le=1), _none_as(1.0)]
+    seed: Annotated[Int, Field(ge=0, lt=2**32)]
+    block_size: Annotated[Int, Field(ge=2)] | None
+    use_retrace: Bool
+
+
+def generate_arguments(**values) -> GenerateArguments:
+    """:class:`GenerateArguments` of ``values``; a ``TypeError`` or ``ValueError`` naming each bad one."""
+    try:
+        return GenerateArguments(**values)
+    except ValidationError as err:
+        raise argument_error(err, "generate") from None
