@@ -17,7 +17,7 @@ from retrace_jax.cli import assets as cli_assets
 from retrace_jax.cli import run_main
 from retrace_jax.io import checkpoints
 from retrace_jax.training.data import DataError, read_prompts
-from tests.helpers import copy_model_dir, edit_config, edit_tensors
+from tests.helpers import cli_error, copy_model_dir, edit_config, edit_tensors
 
 # ------------------------------------------------------------------------------------ loading checkpoints
 
@@ -331,3 +331,13 @@ def test_decode_bad_checkpoint_is_one_line(hf_model_dir, tmp_path, capsys, monke
     assert err.startswith("error: ") and "model.safetensors is not a readable safetensors file" in err
     assert err.count("\n") == 1
     shutil.rmtree(directory)
+
+
+def test_decode_prints_a_bad_drafter_config_as_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RETRACE_JAX_CACHE_DIR", "")
+    monkeypatch.delenv("RETRACE_JAX_TRACEBACK", raising=False)
+    drafter_dir = str(tmp_path / "d")
+    rj.save_drafter(rj.init_drafter(rj.tiny.TINY_QWEN3, mask_token_id=5, block_size=4), drafter_dir)
+    edit_config(drafter_dir, lambda c: c.update(retrace_config={"rank": 2.5}))
+    line = cli_error(capsys, decode.main, ["--target", "tiny", "--drafter", drafter_dir])
+    assert line.endswith("d/config.json: retrace_config.rank: expected an integer, got 2.5"), line

@@ -7,10 +7,8 @@ import json
 
 import pytest
 
-import decode
 import retrace_jax as rj
 from retrace_jax.models.tiny import TINY_QWEN3, tiny_target
-from tests.helpers import cli_error
 
 TARGET = TINY_QWEN3.to_hf()
 DRAFTER = rj.init_drafter(TINY_QWEN3, mask_token_id=5, num_layers=1, block_size=4, target_layer_ids=(1,),
@@ -142,11 +140,3 @@ def test_load_errors_name_the_file_and_the_field(tmp_path):
     drafter_dir = _config_dir(tmp_path / "d", _with(DRAFTER, retrace_config=["both"]))
     with pytest.raises(rj.ConfigError, match=r"d/config\.json: retrace_config: expected a mapping"):
         rj.load_drafter(drafter_dir, tiny_target())
-
-
-def test_decode_prints_a_bad_drafter_config_as_one_line(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("RETRACE_JAX_CACHE_DIR", "")
-    monkeypatch.delenv("RETRACE_JAX_TRACEBACK", raising=False)
-    drafter_dir = _config_dir(tmp_path / "d", _with(DRAFTER, retrace_config={"rank": 2.5}))
-    line = cli_error(capsys, decode.main, ["--target", "tiny", "--drafter", drafter_dir])
-    assert line.endswith("d/config.json: retrace_config.rank: expected an integer, got 2.5"), line
