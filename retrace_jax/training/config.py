@@ -94,12 +94,17 @@ class Section(BaseModel):
     model_config = {**STRICT, "validate_assignment": True}
     RENAMED: ClassVar[dict[str, str]] = {}  # old key -> new key (the old one warns)
 
+    @classmethod
+    def key(cls) -> str:
+        """The section's key in the file ("" for the whole file)."""
+        return next((k for k, c in SECTIONS.items() if c is cls), "")
+
     @model_validator(mode="before")
     @classmethod
     def _renamed(cls, data):
         for old, new in cls.RENAMED.items():
             if isinstance(data, dict) and old in data:
-                where = next((f"{k}." for k, c in SECTIONS.items() if c is cls), "")
+                where = f"{cls.key()}." if cls.key() else ""
                 warnings.warn(f"config key {where + old!r} is now {where + new!r}", DeprecationWarning, stacklevel=2)
                 data = {(new if k == old else k): v for k, v in data.items()}
         return data
@@ -108,7 +113,7 @@ class Section(BaseModel):
         try:
             super().__setattr__(key, value)
         except ValidationError as err:
-            raise config_error(err) from None
+            raise config_error(err, parent=self.key()) from None
 
     def __getitem__(self, key: str):
         if key not in type(self).model_fields:

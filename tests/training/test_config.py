@@ -236,3 +236,14 @@ def test_multi_process_launches_are_detected(monkeypatch):
     monkeypatch.setenv("JAX_PROCESS_ID", "first")
     with pytest.raises(ValueError, match="JAX_PROCESS_ID must be an integer, got 'first'"):
         distributed.initialize("auto")
+
+
+def test_assignments_are_checked(config):
+    cfg = load_config(config)
+    cfg.train.steps = 7
+    cfg["data"]["thinking"] = True
+    assert cfg.train.steps == 7 and cfg.data.thinking is True
+    with pytest.raises(ConfigError, match=r"^train\.steps: expected an integer, got '5'$"):
+        cfg.train.steps = "5"
+    with pytest.raises(ConfigError, match=r"^data\.drop_long_prompts: expected true or false, got 'false'$"):
+        cfg["data"]["drop_long_prompts"] = "false"
