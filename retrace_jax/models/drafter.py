@@ -97,7 +97,7 @@ class DrafterConfig(DecoderShape):
                 f"when the target has few layers ({self.num_target_layers} here) for {self.num_layers} drafter "
                 f"layers; they are kept as given, as the official DFlash code keeps them",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,  # the code that builds the config (past pydantic's __init__ and config_dataclass's)
             )
 
     @property

@@ -29,6 +29,8 @@ Signals = Literal[SIGNALS]
 
 @config_dataclass
 class ReTraceConfig:
+    """The options of a drafter's ReTrace module (``docs/retrace.md``), checked whenever it is built."""
+
     signals: Signals = "both"  # which rejected states enter the correction
     rank: PositiveInt | None = None  # low-rank factorisation of W_c, W_v, W_g
     gate: Bool = True  # sigmoid gate on the residual
