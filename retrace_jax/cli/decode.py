@@ -97,13 +97,15 @@ def timed_generate(target, ids, label: str, runs: int, **kwargs):
     return out, first_s, compile_s, median_s
 
 
-def describe(kind: str, where: str, cfg) -> str:
-    """One line naming a model and its shape."""
+def describe(kind: str, where: str, model) -> str:
+    """One line naming a model, its shape and the dtype it runs in (``--dtype``)."""
+    cfg, dtype = model.cfg, model.dtype.name
     if kind == "target":
         return (f"target:{where} ({cfg.model_type}, {cfg.num_layers} layers, d {cfg.hidden_size}, "
-                f"vocabulary {cfg.vocab_size})")
+                f"vocabulary {cfg.vocab_size}, {dtype})")
     what = "ReTrace" if cfg.retrace is not None else "DFlash"
-    return f"drafter:{where} ({what}, {cfg.num_layers} layer{'s' * (cfg.num_layers != 1)}, block {cfg.block_size})"
+    return (f"drafter:{where} ({what}, {cfg.num_layers} layer{'s' * (cfg.num_layers != 1)}, block {cfg.block_size}, "
+            f"{dtype})")
 
 
 def check_args(args) -> None:
@@ -169,9 +171,9 @@ def run(argv=None):
         ids = tokenizer.encode(args.prompt) if args.raw else chat_encoder(tokenizer)([{"role": "user", "content": args.prompt}])
         stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         drafter = rj.load_drafter(args.drafter, target, dtype=args.dtype, mesh=mesh) if args.drafter else None
-    print(describe("target", " the tiny random Qwen3" if args.target == "tiny" else f" {args.target}", target.cfg))
+    print(describe("target", " the tiny random Qwen3" if args.target == "tiny" else f" {args.target}", target))
     if drafter is not None:
-        print(describe("drafter", f" {args.drafter}" if args.drafter else " random, made on the spot", drafter.cfg))
+        print(describe("drafter", f" {args.drafter}" if args.drafter else " random, made on the spot", drafter))
     print(f"prompt ({len(ids)} tokens{'' if args.raw or tokenizer is None else ', chat template applied'}): "
           f"{args.prompt}")
     print(f"compilation cache: {cache_dir or 'off'}\n", flush=True)

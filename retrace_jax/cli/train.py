@@ -61,10 +61,12 @@ def run(args):
     from retrace_jax.training.config import load_config
     from retrace_jax.training.evaluate import MetricsLog
     from retrace_jax.training.loop import export_checkpoint, train
+    from retrace_jax.training.preflight import preflight
     from retrace_jax.training.prepare import prepare
 
     cfg = load_config(args.config, args.set)
     initialize(cfg.train.distributed)  # before anything touches a device
+    preflight(cfg, args.stage)  # what cannot run on the target or the devices, before any work
     enable_compilation_cache()  # a rerun (e.g. a resume) loads its programs instead of compiling them
     if args.stage == "export":  # prints only: the run's own log files stay the run's
         return export_checkpoint(cfg, args.step, MetricsLog(None))

@@ -16,11 +16,11 @@ from retrace_jax.decoding.plain import plain_generate
 from retrace_jax.decoding.sampling import SamplingMode, SamplingParams
 from retrace_jax.decoding.speculative import speculative_generate
 from retrace_jax.io.checkpoints import resolve_dtype
-from retrace_jax.models.config import short_repr
 from retrace_jax.models.drafter import DFlashDrafter, check_drafter_matches
 from retrace_jax.models.target import TargetModel
 from retrace_jax.parallel.placement import shard_model
 from retrace_jax.parallel.sharding import axis_size, batch_sharding
+from retrace_jax.validation import generate_arguments, short_repr
 
 MIN_BUCKET = 16
 STOP_BUCKET = 8
@@ -99,6 +99,16 @@ def generate(
     made on the first call and kept while the target lives (twice the layer weights in memory, and a
     tied LM head once more; see ``retrace_jax.decoding.layer_loop.decode_weights``).
     """
+    if not isinstance(target, TargetModel):
+        raise TypeError(f"generate: target must be a TargetModel (rj.load_target, rj.tiny.tiny_target), got "
+                        f"{type(target).__name__}")
+    if drafter is not None and not isinstance(drafter, DFlashDrafter):
+        raise TypeError(f"generate: drafter must be a DFlashDrafter (rj.load_drafter, rj.init_drafter) or None, got "
+                        f"{type(drafter).__name__}")
+    args = generate_arguments(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                              seed=seed, block_size=block_size, use_retrace=use_retrace)
+    max_new_tokens, temperature, top_k, top_p = args.max_new_tokens, args.temperature, args.top_k, args.top_p
+    seed, block_size, use_retrace = args.seed, args.block_size, args.use_retrace
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh (e.g. rj.make_mesh({mesh!r}) for a string) or None, "
                         f"got {type(mesh).__name__} {mesh!r}")
@@ -107,8 +117,6 @@ def generate(
         raise ValueError(f"attention must be one of {IMPLEMENTATIONS}, got {attention!r}")
     layer_loop = resolve_layer_loop(layer_loop)
     cache_dtype = None if cache_dtype is None else resolve_dtype(cache_dtype)
-    if int(seed) != seed or not 0 <= seed < 2**32:
-        raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
     sampling = SamplingParams.make(temperature, top_k, top_p, seed)
     batch = _check_prompts(target, prompts, max_new_tokens)
     stops = _pad_stops(stop_token_ids, target.cfg.vocab_size)
@@ -135,13 +143,11 @@ def generate(
         return GenerateOutput(tokens=new, acceptance_lengths=[[1] * len(t) for t in new])
 
     check_drafter_matches(drafter.cfg, target.cfg)
-    block_size = drafter.cfg.block_size if block_size is None else int(block_size)
-    if block_size < 2:
-        raise ValueError(f"block_size must be at least 2, got {block_size}")
+    block_size = drafter.cfg.block_size if block_size is None else block_size
     drafter_def, drafter_state = nnx.split(drafter)
     buf, accept, rounds = speculative_generate(
         target_def, target_state, drafter_def, drafter_state, tokens, lens, live, max_new, stops, sampling,
-        capacity=capacity, block_size=block_size, use_retrace=bool(use_retrace), mode=mode, mesh=mesh,
+        capacity=capacity, block_size=block_size, use_retrace=use_retrace, mode=mode, mesh=mesh,
         cache_dtype=cache_dtype, attention=attention, layer_loop=layer_loop, kept=kept,
     )
     out_tokens, num, accept, rounds, non_finite = _fetch((buf.tokens, buf.num, accept, rounds, buf.non_finite))
@@ -172,12 +178,6 @@ def _fetch(tree):
 
 
 def _sampling_mode(temperature, top_k, top_p, draft_rule) -> SamplingMode:
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
-    if int(top_k) != top_k or top_k < 0:
-        raise ValueError(f"top_k must be a non-negative integer (0: off), got {top_k!r}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
     if draft_rule not in DRAFT_RULES:
         raise ValueError(f"draft_rule must be one of {', '.join(map(repr, DRAFT_RULES))}, got {draft_rule!r}")
     if temperature == 0:  # greedy: the filters keep the argmax, so they change nothing
@@ -191,8 +191,6 @@ def _check_prompts(target: TargetModel, prompts, max_new_tokens: int) -> int:
     if any(isinstance(p, (int, np.integer)) for p in prompts):
         raise TypeError(f"prompts must be a list of token-id lists, one per prompt, got a flat list of ints "
                         f"{short_repr(prompts)}; for a single prompt pass [ids]")
-    if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     cfg = target.cfg
     for i, p in enumerate(prompts):
         if isinstance(p, (str, bytes)) or not len(p):

@@ -27,7 +27,7 @@ from retrace_jax.io.weights import (
     target_specs,
 )
 from retrace_jax.models import draft_vocab
-from retrace_jax.models.config import ModelConfig, read_config_json
+from retrace_jax.models.config import ModelConfig, read_config
 from retrace_jax.models.drafter import DFlashDrafter, DrafterConfig, check_drafter_matches
 from retrace_jax.models.retrace import ReTraceConfig, ReTraceFusion
 from retrace_jax.models.target import TargetModel
@@ -54,22 +54,12 @@ def abstract_module(factory):
     return nnx.eval_shape(factory)
 
 
-def _from_config_json(kind, path: str):
-    """``kind.from_hf`` of ``path/config.json``; its errors name the file."""
-    hf = read_config_json(path)
-    try:
-        return kind.from_hf(hf)
-    except (KeyError, TypeError, ValueError) as err:
-        message = err.args[0] if isinstance(err, ConfigError) and err.args else f"{type(err).__name__}: {err}"
-        raise ConfigError(f"{os.path.join(path, 'config.json')}: {message}") from None
-
-
 def load_target(path: str, dtype=None, *, mesh: Mesh | None = None) -> TargetModel:
     """Loads a Qwen3 / Qwen2 / Llama checkpoint from a Hugging Face directory (sharded over ``mesh``
     by the logical-axis rules when one is given). ``dtype``: "float32", "bfloat16" or None (bfloat16 on
     GPU and TPU, float32 on CPU)."""
     dtype = resolve_dtype(dtype)
-    cfg = _from_config_json(ModelConfig, path)
+    cfg = read_config(ModelConfig, path)
     check_divisible("target", cfg.num_heads, cfg.num_kv_heads, mesh)
     reader = TensorReader(path)
     module = abstract_module(lambda: TargetModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
@@ -87,7 +77,7 @@ def load_drafter(path: str, target: TargetModel, dtype=None, *, retrace: bool | 
     DFlash part of a ReTrace checkpoint. ``dtype`` defaults to the target's.
     """
     dtype = resolve_dtype(target.dtype if dtype is None else dtype)
-    stored = _from_config_json(DrafterConfig, path)
+    stored = read_config(DrafterConfig, path)
     cfg = stored
     if isinstance(retrace, ReTraceConfig) and stored.retrace not in (None, retrace):
         raise ConfigError(f"{path} holds a ReTrace drafter with {stored.retrace}, not the requested {retrace}")

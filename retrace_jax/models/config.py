@@ -1,37 +1,42 @@
 """Model configuration read from a Hugging Face ``config.json``.
 
 One frozen dataclass describes every supported decoder (Qwen3, Qwen2/Qwen2.5, Llama); the families differ
-only by the flags below.
+only by the flags below. Its fields are checked strictly whenever it is built (``retrace_jax/validation.py``),
+and a ``config.json`` is checked key by key before anything is computed from it, so a bad value is
+refused with its key named instead of surfacing as a NaN or a ``TypeError`` deep inside.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from retrace_jax.errors import ConfigError
 from retrace_jax.models.layers import BlockSpec
+from retrace_jax.validation import Bool, PositiveInt, PositiveNumber, config_dataclass, validated
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+ModelType = Literal[SUPPORTED_MODEL_TYPES]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@config_dataclass(kw_only=True)
 class DecoderShape:
     """The shape of a stack of decoder blocks: what the target's and the drafter's configs share, read
-    from ``config.json`` by one parser (:meth:`shape_from_hf`)."""
+    from ``config.json`` by one schema (:class:`ShapeKeys`)."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float
-    rms_norm_eps: float
-    max_position_embeddings: int
+    vocab_size: PositiveInt
+    hidden_size: PositiveInt
+    intermediate_size: PositiveInt
+    num_layers: PositiveInt
+    num_heads: PositiveInt
+    num_kv_heads: PositiveInt
+    head_dim: PositiveInt
+    rope_theta: PositiveNumber
+    rms_norm_eps: PositiveNumber
+    max_position_embeddings: PositiveInt
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -46,28 +51,8 @@ class DecoderShape:
                          self.rope_theta, self.rms_norm_eps, qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
                          qk_norm=qk_norm)
 
-    @staticmethod
-    def shape_from_hf(hf: dict[str, Any], max_position_embeddings: int) -> dict[str, Any]:
-        """The shape fields of a ``config.json`` dict, checked (``max_position_embeddings``: the default
-        when the file has none)."""
-        _check_rope(hf)
-        heads = _required(hf, "num_attention_heads")
-        hidden = _required(hf, "hidden_size")
-        return dict(
-            vocab_size=_required(hf, "vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=_required(hf, "intermediate_size"),
-            num_layers=_required(hf, "num_hidden_layers"),
-            num_heads=heads,
-            num_kv_heads=_positive_int(hf, "num_key_value_heads") or heads,
-            head_dim=_positive_int(hf, "head_dim") or hidden // heads,
-            rope_theta=float(rope_theta(hf)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", max_position_embeddings)),
-        )
-
     def shape_to_hf(self) -> dict[str, Any]:
-        """The ``config.json`` fields of the shape (``shape_from_hf`` reads them back)."""
+        """The ``config.json`` fields of the shape (:class:`ShapeKeys` reads them back)."""
         return {
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -84,16 +69,81 @@ class DecoderShape:
         }
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+class HFKeys(BaseModel):
+    """Keys of a Hugging Face ``config.json`` that this library reads, checked strictly. Other keys are
+    ignored (real configs carry many); an absent or null key takes its default."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class RopeKeys(HFKeys):
+    """``rope_parameters`` (transformers 5) or ``rope_scaling``: only default RoPE is implemented."""
+
+    rope_type: str | None = None
+    type: str | None = None
+    rope_theta: PositiveNumber | None = None
+
+    @model_validator(mode="after")
+    def _default_only(self):
+        kind = self.rope_type or self.type or "default"
+        if kind != "default":
+            raise ValueError(f"unsupported RoPE scaling {kind!r}; only default RoPE is implemented")
+        return self
+
+
+class ShapeKeys(HFKeys):
+    """The shape keys of a target's or a drafter's ``config.json``."""
+
+    vocab_size: PositiveInt
+    hidden_size: PositiveInt
+    intermediate_size: PositiveInt
+    num_hidden_layers: PositiveInt
+    num_attention_heads: PositiveInt
+    num_key_value_heads: PositiveInt | None = None  # default: num_attention_heads
+    head_dim: PositiveInt | None = None  # default: hidden_size // num_attention_heads
+    rope_theta: PositiveNumber | None = None  # older files; transformers 5 writes rope_parameters.rope_theta
+    rope_parameters: RopeKeys | None = None
+    rope_scaling: RopeKeys | None = None
+    rms_norm_eps: PositiveNumber | None = None  # default 1e-6
+    max_position_embeddings: PositiveInt | None = None  # default: the caller's
+
+    def shape(self, max_position_embeddings: int) -> dict[str, Any]:
+        """The :class:`DecoderShape` fields, defaults filled in."""
+        theta = self.rope_parameters.rope_theta if self.rope_parameters else None
+        theta = theta if theta is not None else self.rope_theta
+        return dict(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=self.num_hidden_layers,
+            num_heads=self.num_attention_heads,
+            num_kv_heads=self.num_key_value_heads or self.num_attention_heads,
+            head_dim=self.head_dim or self.hidden_size // self.num_attention_heads,
+            rope_theta=10000.0 if theta is None else float(theta),
+            rms_norm_eps=1e-6 if self.rms_norm_eps is None else self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings or max_position_embeddings,
+        )
+
+
+class TargetKeys(ShapeKeys):
+    """A target's ``config.json``."""
+
+    model_type: ModelType
+    tie_word_embeddings: Bool | None = None
+    attention_bias: Bool | None = None
+    mlp_bias: Bool | None = None
+
+
+@config_dataclass(kw_only=True)
 class ModelConfig(DecoderShape):
     """A target decoder: its shape and the flags of its family (hashable: a static jit argument)."""
 
-    model_type: str
-    tie_word_embeddings: bool
-    qkv_bias: bool  # Qwen2: always; Qwen3/Llama: attention_bias
-    o_bias: bool  # Qwen3/Llama: attention_bias; Qwen2: never
-    mlp_bias: bool  # Llama's mlp_bias
-    qk_norm: bool  # Qwen3 only
+    model_type: ModelType
+    tie_word_embeddings: Bool
+    qkv_bias: Bool  # Qwen2: always; Qwen3/Llama: attention_bias
+    o_bias: Bool  # Qwen3/Llama: attention_bias; Qwen2: never
+    mlp_bias: Bool  # Llama's mlp_bias
+    qk_norm: Bool  # Qwen3 only
 
     @property
     def block_spec(self) -> BlockSpec:
@@ -103,19 +153,15 @@ class ModelConfig(DecoderShape):
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
         """Builds a config from the dict of a Hugging Face ``config.json``."""
-        model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        attention_bias = bool(hf.get("attention_bias", False))
+        keys = validated(TargetKeys, hf)
+        model_type, attention_bias = keys.model_type, bool(keys.attention_bias)
         return cls(
-            **cls.shape_from_hf(hf, max_position_embeddings=32768),
+            **keys.shape(max_position_embeddings=32768),
             model_type=model_type,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(keys.tie_word_embeddings),
             qkv_bias=True if model_type == "qwen2" else attention_bias,
             o_bias=False if model_type == "qwen2" else attention_bias,
-            mlp_bias=bool(hf.get("mlp_bias", False)) if model_type == "llama" else False,
+            mlp_bias=bool(keys.mlp_bias) if model_type == "llama" else False,
             qk_norm=model_type == "qwen3",
         )
 
@@ -168,39 +214,11 @@ def read_config_json(directory: str) -> dict[str, Any]:
     return hf
 
 
-def rope_theta(hf: dict[str, Any]) -> float:
-    """``rope_theta`` at the top level (older files) or under ``rope_parameters`` (transformers 5)."""
-    params = hf.get("rope_parameters") or {}
-    if "rope_theta" in params:
-        return params["rope_theta"]
-    if "rope_theta" in hf:
-        return hf["rope_theta"]
-    return 10000.0
-
-
-def _check_rope(hf: dict[str, Any]) -> None:
-    for key in ("rope_parameters", "rope_scaling"):
-        params = hf.get(key) or {}
-        kind = params.get("rope_type", params.get("type", "default"))
-        if kind != "default":
-            raise ConfigError(f"unsupported RoPE scaling {kind!r} in {key}; only default RoPE is implemented")
-
-
-def short_repr(value, limit: int = 60) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for error messages."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 4] + " ..."
-
-
-def _required(hf: dict[str, Any], key: str):
-    if key not in hf:
-        raise ConfigError(f"config.json lacks {key!r}")
-    return _positive_int(hf, key)
-
-
-def _positive_int(hf: dict[str, Any], key: str):
-    """``hf[key]`` when it is a positive integer (None when absent)."""
-    value = hf.get(key)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ConfigError(f"{key} must be a positive integer, got {short_repr(value)}")
-    return value
+def read_config(kind, directory: str):
+    """``kind.from_hf`` (:class:`ModelConfig` or ``DrafterConfig``) of ``directory/config.json``; its
+    errors name the file."""
+    hf = read_config_json(directory)
+    try:
+        return kind.from_hf(hf)
+    except ValueError as err:
+        raise ConfigError(f"{os.path.join(directory, 'config.json')}: {err}") from None

@@ -38,14 +38,18 @@ class DraftVocab(nnx.Variable):
 
 def check_ids(ids, vocab_size: int, where: str = "draft vocabulary") -> np.ndarray:
     """``ids`` as an int32 array after checking it is a non-empty, strictly ascending list of ids in
-    ``[0, vocab_size)``; raises ``ValueError`` naming ``where`` otherwise."""
+    ``[0, vocab_size)``; raises ``ValueError`` naming ``where`` otherwise.
+
+    Every id is range-checked (not only the ends: the order is not known yet), and the order is checked
+    in int64, since differences of int8 or uint16 ids wrap around (``int8: -100 - 100 == 56``)."""
     array = np.asarray(ids)
     if array.ndim != 1 or array.size == 0 or not np.issubdtype(array.dtype, np.integer):
         raise ValueError(f"{where}: expected a non-empty 1-D list of token ids, got shape {array.shape} "
                          f"of {array.dtype}")
-    if array[0] < 0 or array[-1] >= vocab_size:
-        raise ValueError(f"{where}: token ids must lie in [0, {vocab_size}), got {int(array.min())}..."
-                         f"{int(array.max())}")
+    low, high = int(array.min()), int(array.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"{where}: token ids must lie in [0, {vocab_size}), got {low}...{high}")
+    array = array.astype(np.int64)
     if np.any(np.diff(array) <= 0):
         raise ValueError(f"{where}: token ids must be strictly ascending (sorted, no repeats)")
     return array.astype(np.int32)

@@ -13,18 +13,20 @@ import collections
 import dataclasses
 import numbers
 import warnings
-from typing import Any
+from typing import Annotated, Any
 
 import jax.numpy as jnp
 from flax import nnx
+from pydantic import Field
 
 from retrace_jax.attention import attention_beside_context, cached_attention
 from retrace_jax.errors import ConfigError
-from retrace_jax.models.config import DecoderShape, ModelConfig
+from retrace_jax.models.config import DecoderShape, HFKeys, ModelConfig, ShapeKeys
 from retrace_jax.models.draft_vocab import DraftVocab, check_ids
 from retrace_jax.models.kv_cache import KVCache
 from retrace_jax.models.layers import BlockSpec, DecoderBlock, RMSNorm, linear
 from retrace_jax.models.retrace import Memory, ReTraceConfig, ReTraceFusion
+from retrace_jax.validation import Bool, Int, NonNegativeInt, PositiveInt, config_dataclass, validated
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -39,25 +41,54 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
     return tuple(int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+BlockSize = Annotated[Int, Field(ge=2)]  # the anchor and at least one proposal
+LayerIds = Annotated[tuple[NonNegativeInt, ...], Field(strict=False, min_length=1)]  # a list is taken too
+
+
+class DFlashKeys(HFKeys):
+    """``dflash_config`` in a drafter's ``config.json``."""
+
+    mask_token_id: NonNegativeInt
+    target_layer_ids: list[NonNegativeInt] | None = None  # None or empty: the official default
+
+
+class DrafterKeys(ShapeKeys):
+    """A drafter's ``config.json``: the official DFlash keys, and this project's ``retrace_config`` and
+    ``draft_vocab_size``."""
+
+    block_size: BlockSize
+    num_target_layers: PositiveInt
+    dflash_config: DFlashKeys
+    attention_bias: Bool | None = None
+    retrace_config: dict | None = None  # checked by ReTraceConfig.from_hf
+    draft_vocab_size: PositiveInt | None = None
+
+
+@config_dataclass(kw_only=True)
 class DrafterConfig(DecoderShape):
     """A DFlash drafter: its decoder shape (the target's width and heads) and what makes it a drafter."""
 
-    block_size: int
-    mask_token_id: int
-    target_layer_ids: tuple[int, ...]
-    num_target_layers: int
-    attention_bias: bool = False
+    block_size: BlockSize
+    mask_token_id: NonNegativeInt
+    target_layer_ids: LayerIds
+    num_target_layers: PositiveInt
+    attention_bias: Bool = False
     retrace: ReTraceConfig | None = None  # set for a ReTrace drafter
-    draft_vocab_size: int | None = None  # U: proposals come from U token ids (retrace_jax/models/draft_vocab.py)
+    draft_vocab_size: PositiveInt | None = None  # U: proposals come from U token ids (retrace_jax/models/draft_vocab.py)
 
     def __post_init__(self):
         super().__post_init__()
-        u = self.draft_vocab_size
-        if u is not None and (isinstance(u, bool) or not isinstance(u, numbers.Integral)
-                              or not 1 <= u <= self.vocab_size):
-            raise ConfigError(f"draft_vocab_size must be an integer in [1, vocab_size {self.vocab_size}] or "
-                              f"absent, got {u!r}")
+        problems = []
+        if self.mask_token_id >= self.vocab_size:
+            problems.append(f"mask_token_id {self.mask_token_id} is not a token id of vocab_size {self.vocab_size}")
+        bad = [i for i in self.target_layer_ids if i >= self.num_target_layers]
+        if bad:
+            problems.append(f"target_layer_ids {bad} are not layers of the target (num_target_layers "
+                            f"{self.num_target_layers}: 0..{self.num_target_layers - 1})")
+        if self.draft_vocab_size is not None and self.draft_vocab_size > self.vocab_size:
+            problems.append(f"draft_vocab_size {self.draft_vocab_size} exceeds vocab_size {self.vocab_size}")
+        if problems:
+            raise ConfigError("; ".join(problems))
         repeated = sorted(i for i, n in collections.Counter(self.target_layer_ids).items() if n > 1)
         if repeated:
             warnings.warn(
@@ -66,7 +97,7 @@ class DrafterConfig(DecoderShape):
                 f"when the target has few layers ({self.num_target_layers} here) for {self.num_layers} drafter "
                 f"layers; they are kept as given, as the official DFlash code keeps them",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,  # the code that builds the config (past pydantic's __init__ and config_dataclass's)
             )
 
     @property
@@ -80,25 +111,22 @@ class DrafterConfig(DecoderShape):
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "DrafterConfig":
-        dflash = hf.get("dflash_config")
-        if not isinstance(dflash, dict) or "mask_token_id" not in dflash:
-            raise ConfigError("not a DFlash drafter config: dflash_config.mask_token_id is missing")
-        for key in ("num_target_layers", "block_size"):
-            if key not in hf:
-                raise ConfigError(f"drafter config.json lacks {key!r}")
-        shape = cls.shape_from_hf(hf, max_position_embeddings=40960)
-        layer_ids = dflash.get("target_layer_ids") or default_target_layer_ids(
-            hf["num_target_layers"], shape["num_layers"]
+        if not isinstance(hf.get("dflash_config"), dict):
+            raise ConfigError("not a DFlash drafter config: it has no dflash_config object")
+        keys = validated(DrafterKeys, hf)
+        shape = keys.shape(max_position_embeddings=40960)
+        layer_ids = keys.dflash_config.target_layer_ids or default_target_layer_ids(
+            keys.num_target_layers, shape["num_layers"]
         )
         return cls(
             **shape,
-            block_size=int(hf["block_size"]),
-            mask_token_id=int(dflash["mask_token_id"]),
-            target_layer_ids=tuple(int(i) for i in layer_ids),
-            num_target_layers=int(hf["num_target_layers"]),
-            attention_bias=bool(hf.get("attention_bias", False)),
-            retrace=ReTraceConfig.from_hf(hf.get("retrace_config")),
-            draft_vocab_size=hf.get("draft_vocab_size"),
+            block_size=keys.block_size,
+            mask_token_id=keys.dflash_config.mask_token_id,
+            target_layer_ids=tuple(layer_ids),
+            num_target_layers=keys.num_target_layers,
+            attention_bias=bool(keys.attention_bias),
+            retrace=ReTraceConfig.from_hf(keys.retrace_config),
+            draft_vocab_size=keys.draft_vocab_size,
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -201,22 +229,12 @@ class DFlashDrafter(nnx.Module):
         return self.run_layers(emb_btd, positions, attend_at)
 
 
-def init_drafter(target_cfg, *, mask_token_id: int, num_layers: int = 1, block_size: int = 16,
-                 target_layer_ids=None, intermediate_size=None, retrace: ReTraceConfig | None = None,
-                 dtype=jnp.float32, seed: int = 0, draft_vocab=None) -> DFlashDrafter:
-    """A randomly initialised drafter shaped for ``target_cfg`` (a :class:`~retrace_jax.ModelConfig`):
-    the target's width, heads and RoPE; features from ``target_layer_ids`` (official default if None).
-    With ``retrace`` it is a ReTrace drafter whose fusion starts at zero (exactly DFlash). ``draft_vocab``
-    (ascending token ids, e.g. from :func:`~retrace_jax.models.draft_vocab.frequent_tokens`) limits its
-    proposals to those tokens; None: the whole vocabulary."""
-    for name, value, low in (("num_layers", num_layers, 1), ("block_size", block_size, 2)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-            raise ValueError(f"init_drafter: {name} must be an integer >= {low}, got {value!r}")
-    if not isinstance(mask_token_id, numbers.Integral) or not 0 <= mask_token_id < target_cfg.vocab_size:
-        raise ValueError(f"init_drafter: mask_token_id must be a token id in [0, {target_cfg.vocab_size}), "
-                         f"got {mask_token_id!r}")
-    ids = None if draft_vocab is None else check_ids(draft_vocab, target_cfg.vocab_size, "init_drafter: draft_vocab")
-    cfg = DrafterConfig(
+def drafter_config(target_cfg, *, mask_token_id: int, num_layers: int = 1, block_size: int = 16,
+                   target_layer_ids=None, intermediate_size=None, retrace: ReTraceConfig | None = None,
+                   draft_vocab_size: int | None = None) -> DrafterConfig:
+    """The config of a new drafter for ``target_cfg`` (see :func:`init_drafter`): checked, with nothing
+    allocated, so a training run can refuse a bad one before it does any work."""
+    return DrafterConfig(
         hidden_size=target_cfg.hidden_size,
         intermediate_size=intermediate_size or target_cfg.intermediate_size,
         num_layers=num_layers,
@@ -232,8 +250,28 @@ def init_drafter(target_cfg, *, mask_token_id: int, num_layers: int = 1, block_s
         num_target_layers=target_cfg.num_layers,
         vocab_size=target_cfg.vocab_size,
         retrace=retrace,
-        draft_vocab_size=None if ids is None else len(ids),
+        draft_vocab_size=draft_vocab_size,
     )
+
+
+def init_drafter(target_cfg, *, mask_token_id: int, num_layers: int = 1, block_size: int = 16,
+                 target_layer_ids=None, intermediate_size=None, retrace: ReTraceConfig | None = None,
+                 dtype=jnp.float32, seed: int = 0, draft_vocab=None) -> DFlashDrafter:
+    """A randomly initialised drafter shaped for ``target_cfg`` (a :class:`~retrace_jax.ModelConfig`):
+    the target's width, heads and RoPE; features from ``target_layer_ids`` (official default if None).
+    With ``retrace`` it is a ReTrace drafter whose fusion starts at zero (exactly DFlash). ``draft_vocab``
+    (ascending token ids, e.g. from :func:`~retrace_jax.models.draft_vocab.frequent_tokens`) limits its
+    proposals to those tokens; None: the whole vocabulary."""
+    for name, value, low in (("num_layers", num_layers, 1), ("block_size", block_size, 2)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+            raise ValueError(f"init_drafter: {name} must be an integer >= {low}, got {value!r}")
+    if not isinstance(mask_token_id, numbers.Integral) or not 0 <= mask_token_id < target_cfg.vocab_size:
+        raise ValueError(f"init_drafter: mask_token_id must be a token id in [0, {target_cfg.vocab_size}), "
+                         f"got {mask_token_id!r}")
+    ids = None if draft_vocab is None else check_ids(draft_vocab, target_cfg.vocab_size, "init_drafter: draft_vocab")
+    cfg = drafter_config(target_cfg, mask_token_id=mask_token_id, num_layers=num_layers, block_size=block_size,
+                         target_layer_ids=target_layer_ids, intermediate_size=intermediate_size, retrace=retrace,
+                         draft_vocab_size=None if ids is None else len(ids))
     drafter = DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
     if ids is not None:
         drafter.draft_vocab.set_value(jnp.asarray(ids))
@@ -299,9 +337,5 @@ def check_drafter_matches(cfg: DrafterConfig, target_cfg: ModelConfig) -> None:
     bad = [i for i in cfg.target_layer_ids if not 0 <= i < target_cfg.num_layers]
     if bad:
         problems.append(f"target_layer_ids {bad} outside the target's layers 0..{target_cfg.num_layers - 1}")
-    if cfg.block_size < 2:
-        problems.append(f"block_size {cfg.block_size} < 2")
-    if cfg.num_layers < 1:
-        problems.append(f"num_hidden_layers {cfg.num_layers} < 1")
     if problems:
         raise ConfigError("drafter does not match the target: " + "; ".join(problems))

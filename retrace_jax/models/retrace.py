@@ -13,43 +13,50 @@ kept for that slot. Before the first drafter layer each valid slot's mask embedd
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
+from pydantic import BaseModel
 
-from retrace_jax.errors import ConfigError
 from retrace_jax.models.layers import linear
+from retrace_jax.validation import STRICT, Bool, PositiveInt, config_dataclass, validated
 
 SIGNALS = ("drafter", "target", "both")
+Signals = Literal[SIGNALS]
 
 
-@dataclasses.dataclass(frozen=True)
+@config_dataclass
 class ReTraceConfig:
-    signals: str = "both"  # which rejected states enter the correction
-    rank: int | None = None  # low-rank factorisation of W_c, W_v, W_g
-    gate: bool = True  # sigmoid gate on the residual
+    """The options of a drafter's ReTrace module (``docs/retrace.md``), checked whenever it is built."""
 
-    def __post_init__(self):
-        if self.signals not in SIGNALS:
-            raise ConfigError(f"retrace signals must be one of {SIGNALS}, got {self.signals!r}")
-        if self.rank is not None and self.rank < 1:
-            raise ConfigError(f"retrace rank must be a positive integer or null, got {self.rank!r}")
+    signals: Signals = "both"  # which rejected states enter the correction
+    rank: PositiveInt | None = None  # low-rank factorisation of W_c, W_v, W_g
+    gate: Bool = True  # sigmoid gate on the residual
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any] | None) -> "ReTraceConfig | None":
-        """The ``retrace_config`` object of a drafter ``config.json`` (None when absent or disabled)."""
-        if not hf or not hf.get("enabled", True):
+        """The ``retrace_config`` object of a drafter ``config.json`` (None when absent, empty or
+        disabled)."""
+        if hf is None or hf == {}:
             return None
-        unknown = set(hf) - {"enabled", "signals", "rank", "gate"}
-        if unknown:
-            raise ConfigError(f"unknown retrace_config keys: {sorted(unknown)}")
-        return cls(signals=hf.get("signals", "both"), rank=hf.get("rank"), gate=bool(hf.get("gate", True)))
+        keys = validated(ReTraceKeys, hf, parent="retrace_config")
+        return cls(keys.signals, keys.rank, keys.gate) if keys.enabled else None
 
     def to_hf(self) -> dict[str, Any]:
         return {"enabled": True, "signals": self.signals, "rank": self.rank, "gate": self.gate}
+
+
+class ReTraceKeys(BaseModel):
+    """``retrace_config`` in a drafter's ``config.json``: this project's own object, so an unknown key
+    is refused (a misspelt option would otherwise be dropped)."""
+
+    model_config = STRICT
+    enabled: Bool = True
+    signals: Signals = "both"
+    rank: PositiveInt | None = None
+    gate: Bool = True
 
 
 class Projection(nnx.Module):

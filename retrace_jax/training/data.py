@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from retrace_jax.errors import DataError
-from retrace_jax.models.config import short_repr
+from retrace_jax.validation import short_repr
 
 MANIFEST = "manifest.json"
 

@@ -17,7 +17,7 @@ from retrace_jax.cli import assets as cli_assets
 from retrace_jax.cli import run_main
 from retrace_jax.io import checkpoints
 from retrace_jax.training.data import DataError, read_prompts
-from tests.helpers import copy_model_dir, edit_config, edit_tensors
+from tests.helpers import cli_error, copy_model_dir, edit_config, edit_tensors
 
 # ------------------------------------------------------------------------------------ loading checkpoints
 
@@ -48,7 +48,7 @@ CHECKPOINT_CASES = {
         rj.ConfigError, r"config\.json must hold a JSON object, not list"),
     "config.json with a field of the wrong type": (
         lambda d: edit_config(d, lambda c: c.update(num_attention_heads="four")),
-        rj.ConfigError, r"config\.json: num_attention_heads must be a positive integer, got 'four'"),
+        rj.ConfigError, r"config\.json: num_attention_heads: expected an integer, got 'four'"),
     "truncated model.safetensors": (
         lambda d: _truncate(os.path.join(d, "model.safetensors")),
         rj.CheckpointError, r"model\.safetensors is not a readable safetensors file \(truncated or corrupt\?\)"),
@@ -168,7 +168,7 @@ def test_drafter_config_json_errors_name_the_file(target, tmp_path):
     path = str(tmp_path / "d")
     rj.save_drafter(_drafter(target), path)
     edit_config(path, lambda c: c.update(num_hidden_layers=0))
-    with pytest.raises(rj.ConfigError, match=r"config.json: num_hidden_layers must be a positive integer, got 0"):
+    with pytest.raises(rj.ConfigError, match=r"config.json: num_hidden_layers: must be >= 1, got 0"):
         rj.load_drafter(path, target)
     _write(os.path.join(path, "config.json"), "{oops")
     with pytest.raises(rj.ConfigError, match=r"d/config\.json is not valid JSON"):
@@ -185,15 +185,51 @@ ARGUMENT_CASES = {
                                            r"prompts must be a list of token-id lists.*pass \[ids\]"),
     "an empty prompt list": (dict(prompts=[]), ValueError, r"prompts must be a non-empty list"),
     "prompts as None": (dict(prompts=None), ValueError, r"prompts must be a non-empty list"),
+    "temperature as a string": (dict(temperature="0.5"), TypeError,
+                                r"generate: temperature: expected a number, got '0\.5'"),
+    "a negative temperature": (dict(temperature=-1.0), ValueError, r"generate: temperature: must be >= 0, got -1\.0"),
+    "top_k as a float": (dict(top_k=1.5), TypeError, r"generate: top_k: expected an integer, got 1\.5"),
+    "a negative top_k": (dict(top_k=-1), ValueError, r"generate: top_k: must be >= 0, got -1"),
+    "top_p as a string": (dict(top_p="0.9"), TypeError, r"generate: top_p: expected a number, got '0\.9'"),
+    "top_p above 1": (dict(top_p=1.5), ValueError, r"generate: top_p: must be <= 1, got 1\.5"),
+    "block_size as a string": (dict(block_size="4"), TypeError,
+                               r"generate: block_size: expected an integer, got '4'"),
+    "block_size 1": (dict(block_size=1), ValueError, r"generate: block_size: must be >= 2, got 1"),
+    "use_retrace as a string": (dict(use_retrace="no"), TypeError,
+                                r"generate: use_retrace: expected true or false, got 'no'"),
+    "max_new_tokens as a float": (dict(max_new_tokens=4.0), TypeError,
+                                  r"generate: max_new_tokens: expected an integer, got 4\.0"),
+    "seed as a float": (dict(seed=1.5), TypeError, r"generate: seed: expected an integer, got 1\.5"),
+    "a seed past 2**32": (dict(seed=2**32), ValueError, r"generate: seed: must be < 4294967296"),
+    "the target as the drafter": (dict(drafter="TARGET"), TypeError,
+                                  r"generate: drafter must be a DFlashDrafter .* or None, got TargetModel"),
+    "a drafter as the target": (dict(target="DRAFTER"), TypeError,
+                                r"generate: target must be a TargetModel .*, got DFlashDrafter"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(ARGUMENT_CASES))
 def test_bad_generate_arguments(case, target):
     kwargs, error, pattern = ARGUMENT_CASES[case]
-    kwargs = {"prompts": [[1, 2, 3]], **kwargs}
+    drafter = _drafter(target)
+    kwargs = {"target": target, "prompts": [[1, 2, 3]], "max_new_tokens": 4, **kwargs}
+    kwargs = {k: {"TARGET": target, "DRAFTER": drafter}.get(v, v) if isinstance(v, str) else v
+              for k, v in kwargs.items()}
     with pytest.raises(error, match=pattern):
-        rj.generate(target, max_new_tokens=4, **kwargs)
+        rj.generate(**kwargs)
+
+
+def test_top_k_and_top_p_none_mean_off():
+    """``top_k=None`` and ``top_p=None`` turn the filter off, as 0 and 1.0 do (as in transformers)."""
+    from retrace_jax.validation import generate_arguments
+
+    args = generate_arguments(max_new_tokens=4, temperature=0.5, top_k=None, top_p=None, seed=0, block_size=None,
+                              use_retrace=True)
+    assert (args.top_k, args.top_p) == (0, 1.0)
+    args = generate_arguments(max_new_tokens=np.int32(4), temperature=np.float32(0.5), top_k=np.int64(3), top_p=1,
+                              seed=np.uint32(7), block_size=None, use_retrace=np.bool_(False))
+    assert (args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.use_retrace) == (
+        4, 0.5, 3, 1.0, 7, False)
 
 
 @pytest.mark.parametrize("kwargs, pattern", [
@@ -295,3 +331,13 @@ def test_decode_bad_checkpoint_is_one_line(hf_model_dir, tmp_path, capsys, monke
     assert err.startswith("error: ") and "model.safetensors is not a readable safetensors file" in err
     assert err.count("\n") == 1
     shutil.rmtree(directory)
+
+
+def test_decode_prints_a_bad_drafter_config_as_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RETRACE_JAX_CACHE_DIR", "")
+    monkeypatch.delenv("RETRACE_JAX_TRACEBACK", raising=False)
+    drafter_dir = str(tmp_path / "d")
+    rj.save_drafter(rj.init_drafter(rj.tiny.TINY_QWEN3, mask_token_id=5, block_size=4), drafter_dir)
+    edit_config(drafter_dir, lambda c: c.update(retrace_config={"rank": 2.5}))
+    line = cli_error(capsys, decode.main, ["--target", "tiny", "--drafter", drafter_dir])
+    assert line.endswith("d/config.json: retrace_config.rank: expected an integer, got 2.5"), line

@@ -36,7 +36,7 @@ def test_train_then_decode_tiny(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--set", "train.stpes=3"], "error: unknown config key 'train.stpes'"),
+    (["--set", "train.stpes=3"], "error: --set train.stpes: unknown key; did you mean 'steps'?"),
     (["--config", "NONE"], "error: config file not found: "),
 ])
 def test_train_config_errors_are_one_line(argv, message, tmp_path, capsys):
@@ -61,3 +61,25 @@ def test_decode_with_hf_directories(hf_model_dir, trained_drafter, tmp_path, cap
     assert any(line.startswith("w") for line in lines)  # decoded text
     table = [line for line in lines if line.startswith(("plain ", "dflash "))]
     assert len(table) == 2 and all(line.endswith("yes") for line in table)
+
+
+def test_decode_tiny_runs_and_says_the_dtype_it_was_given(monkeypatch, capsys):
+    """--dtype applies to the tiny smoke run's target and drafter, and the model lines say it (the runs are
+    replaced: only what decode.py hands to generate is checked)."""
+    import jax.numpy as jnp
+
+    from retrace_jax.cli import decode as cli_decode
+
+    seen = []
+
+    def fake(target, ids, label, runs, **kwargs):
+        seen.append((target.dtype, kwargs.get("drafter", target).dtype))
+        return rj.GenerateOutput([[5, 6]], [[2]]), 1.0, 0.5, 0.1
+
+    monkeypatch.setattr(cli_decode, "timed_generate", fake)
+    monkeypatch.setenv("RETRACE_JAX_CACHE_DIR", "")
+    decode.main(["--target", "tiny", "--dtype", "bfloat16", "--runs", "1"])
+    assert seen == [(jnp.bfloat16, jnp.bfloat16)] * 2  # plain, then DFlash
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("target:") and line.endswith("bfloat16)") for line in lines), lines
+    assert any(line.startswith("drafter:") and line.endswith("bfloat16)") for line in lines), lines

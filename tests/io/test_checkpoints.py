@@ -49,7 +49,7 @@ def test_missing_shard_file(hf_model_dir, tmp_path):
 
 def test_unsupported_model_type(qwen3_copy):
     edit_config(qwen3_copy, lambda c: c.update(model_type="mistral"))
-    with pytest.raises(rj.ConfigError, match="unsupported model_type 'mistral'"):
+    with pytest.raises(rj.ConfigError, match="model_type: must be 'qwen3', 'qwen2' or 'llama', got 'mistral'"):
         rj.load_target(qwen3_copy)
 
 

@@ -41,6 +41,18 @@ def test_bad_ids_are_refused(qwen3):
             rj.init_drafter(qwen3.cfg, mask_token_id=127, block_size=4, draft_vocab=ids)
 
 
+@pytest.mark.parametrize("ids, match", [
+    (np.array([100, -100], np.int8), r"must lie in \[0, 512\), got -100\.\.\.100"),  # -100 - 100 wraps to 56
+    (np.array([30000, -30000], np.int16), r"must lie in \[0, 512\)"),
+    (np.array([200, 10], np.uint8), "ascending"),  # 10 - 200 wraps to 66
+    (np.array([True, True]), "token ids"),
+])
+def test_small_integer_ids_are_checked_without_overflow(ids, match):
+    drafter = rj.init_drafter(rj.tiny.TINY_QWEN3, mask_token_id=5, block_size=4)
+    with pytest.raises(ValueError, match=match):
+        with_draft_vocab(drafter, ids)
+
+
 # Each setting compiles two speculative programs; the default run keeps greedy and one sampling rule.
 @pytest.mark.parametrize("kwargs", [
     {},
@@ -150,6 +162,8 @@ def test_bad_draft_vocabulary_files(qwen3, trained_drafter, tmp_path):
         (lambda: save_file({"draft_token_ids": good["draft_token_ids"][:5].copy()}, str(file)), rj.CheckpointError,
          "holds 5 token ids"),
         (lambda: file.write_bytes(b"not safetensors"), rj.CheckpointError, "cannot be read"),
+        (lambda: save_file({"draft_token_ids": np.append(good["draft_token_ids"][:-1], -100).astype(np.int8)},
+                           str(file)), rj.CheckpointError, r"draft_vocab\.safetensors: token ids must lie in \[0, 128\)"),
     ]
     for spoil, error, match in cases:
         save_file(good, str(file))

@@ -44,35 +44,50 @@ def test_overrides_are_typed(config):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("train.clip=0", "train.clip must be a positive number"),
-    ("train.lr=0", "train.lr must be a positive number, got 0.0"),
-    ("train.lr=-1e-4", "train.lr must be a positive number"),
-    ("train.lr=.nan", "train.lr must be a positive number"),
-    ("train.remat=yes please", "train.remat must be true or false, got 'yes please'"),
-    ("train.remat=1", "train.remat must be true or false, got 1"),
-    ("train.gamma=0", "train.gamma must be a positive number or null"),
-    ("train.gamma=fast", "train.gamma must be a positive number or null, got 'fast'"),
-    ("train.correction_source=oracle", "train.correction_source must be verify or teacher, got 'oracle'"),
-    ("train.objective=eagle", "train.objective must be dflash or retrace"),
-    ("train.memory_dtype=int8", "train.memory_dtype must be"),
-    ("train.rounds=1", "train.rounds must be an integer >= 2, got 1"),
-    ("train.round_weights=[1.0, x]", "train.round_weights must be a list of numbers >= 0 (one per round)"),
-    ("train.round_weights=[1.0, 2.0]", "train.round_weights has 2 weights for 4 rounds"),
-    ("train.round1_weight=-1", "train.round1_weight must be a number >= 0 or null, got -1.0"),
-    ("train.mesh=model=4", "train.mesh: unknown mesh axis 'model'"),
-    ("train.mesh=data=1,data=1", "train.mesh: mesh axis 'data' is named twice"),
-    ("train.steps=0", "train.steps must be a positive integer"),
-    ("train.warmup_frac=1.5", "train.warmup_frac must lie in [0, 1)"),
-    ("train.tensorboard=maybe", "train.tensorboard must be true, false or auto"),
-    ("drafter.block_size=1", "drafter.block_size must be an integer >= 2"),
-    ("drafter.target_layer_ids=[1, x]", "drafter.target_layer_ids must be"),
-    ("drafter.draft_vocab=0", "drafter.draft_vocab must be a positive integer or null, got 0"),
-    ("drafter.init_layers=[1, 2]", "drafter.init_layers needs one target layer per drafter layer (1)"),
-    ("drafter.init_layers=[x]", "drafter.init_layers must be a list of target layer indices"),
-    ("retrace.signals=all", "retrace.signals must be one of"),
-    ("data.temperature=-1", "data.temperature must be >= 0"),
-    ("train.nope=1", "unknown config key 'train.nope'"),
-    ("train=3", "config key 'train' must be a mapping"),
+    ("train.clip=0", "--set train.clip: must be > 0, got 0"),
+    ("train.lr=0", "--set train.lr: must be > 0, got 0"),
+    ("train.lr=-1e-4", "--set train.lr: must be > 0, got '-1e-4'"),
+    ("train.lr=.nan", "--set train.lr: must be a finite number"),
+    ("train.remat=yes please", "--set train.remat: expected true or false, got 'yes please'"),
+    ("train.remat=1", "--set train.remat: expected true or false, got 1"),
+    ("train.gamma=0", "--set train.gamma: must be > 0, got 0"),
+    ("train.gamma=fast", "--set train.gamma: expected a number, got 'fast'"),
+    ("train.correction_source=oracle", "--set train.correction_source: must be 'verify' or 'teacher', got 'oracle'"),
+    ("train.objective=eagle", "--set train.objective: must be 'dflash' or 'retrace', got 'eagle'"),
+    ("train.memory_dtype=int8", "--set train.memory_dtype: must be 'float32', 'bfloat16' or 'float16'"),
+    ("train.rounds=1", "--set train.rounds: must be >= 2, got 1"),
+    ("train.round_weights=[1.0, x]", "--set train.round_weights[1]: expected a number, got 'x'"),
+    ("train.round_weights=[1.0, 2.0]", "train.round_weights: 2 weights for 4 rounds"),
+    ("train.round1_weight=-1", "--set train.round1_weight: must be >= 0, got -1"),
+    ("train.mesh=model=4", "--set train.mesh: unknown mesh axis 'model'"),
+    ("train.mesh=data=1,data=1", "--set train.mesh: mesh axis 'data' is named twice"),
+    ("train.steps=0", "--set train.steps: must be >= 1, got 0"),
+    ("train.steps=1e3", "--set train.steps: expected an integer, got '1e3'"),
+    ("train.seed=true", "--set train.seed: expected an integer, got True"),
+    ("train.warmup_frac=1.5", "--set train.warmup_frac: must be < 1, got 1.5"),
+    ("train.tensorboard=maybe", "--set train.tensorboard: expected true, false or auto, got 'maybe'"),
+    ("train.distributed=1", "--set train.distributed: expected true, false or auto, got 1"),
+    ("drafter.block_size=1", "--set drafter.block_size: must be >= 2, got 1"),
+    ("drafter.block_size='8'", "--set drafter.block_size: expected an integer, got '8'"),
+    ("drafter.block_size=8.7", "--set drafter.block_size: expected an integer, got 8.7"),
+    ("drafter.target_layer_ids=[1, x]", "--set drafter.target_layer_ids[1]: expected an integer, got 'x'"),
+    ("drafter.target_layer_ids=[2.9]", "--set drafter.target_layer_ids[0]: expected an integer, got 2.9"),
+    ("drafter.target_layer_ids=[]", "--set drafter.target_layer_ids: must not be empty"),
+    ("drafter.draft_vocab=0", "--set drafter.draft_vocab: must be >= 1, got 0"),
+    ("drafter.init_layers=[1, 2]", "drafter.init_layers: needs one target layer per drafter layer (1), got [1, 2]"),
+    ("drafter.init_layers=[x]", "--set drafter.init_layers[0]: expected an integer, got 'x'"),
+    ("retrace.signals=all", "--set retrace.signals: must be 'drafter', 'target' or 'both', got 'all'"),
+    ("retrace.gate='false'", "--set retrace.gate: expected true or false, got 'false'"),
+    ("retrace.rank=2.5", "--set retrace.rank: expected an integer, got 2.5"),
+    ("data.temperature=-1", "--set data.temperature: must be >= 0, got -1"),
+    ("data.drop_long_prompts='false'", "--set data.drop_long_prompts: expected true or false, got 'false'"),
+    ("data.thinking=no thanks", "--set data.thinking: expected true or false, got 'no thanks'"),
+    ("data.prompts=[a, b]", "--set data.prompts: expected a string, got ['a', 'b']"),
+    ("target=123", "--set target: expected a string, got 123"),
+    ("out=5", "--set out: expected a string, got 5"),
+    ("train.nope=1", "--set train.nope: unknown key"),
+    ("train.stpes=1", "--set train.stpes: unknown key; did you mean 'steps'?"),
+    ("train=3", "--set train: expected a mapping, got 3"),
 ])
 def test_bad_values_are_refused_up_front(config, override, message, capsys):
     with pytest.raises(ConfigError) as err:
@@ -91,6 +106,32 @@ def test_all_problems_are_reported_together(config):
     assert "train.lr" in str(err.value) and "train.clip" in str(err.value)
 
 
+def test_problems_in_the_file_name_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("target: tiny\ndrafter:\n  block_size: '8'\ndata:\n  drop_long_prompts: 'false'\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path), ["train.steps=0"])
+    message = str(err.value)
+    assert f"{path}: drafter.block_size: expected an integer, got '8'" in message
+    assert f"{path}: data.drop_long_prompts: expected true or false, got 'false'" in message
+    assert "--set train.steps: must be >= 1, got 0" in message
+    path.write_text("- a list\n")
+    with pytest.raises(ConfigError, match=rf"{path}: expected a mapping, got \['a list'\]"):
+        load_config(str(path))
+
+
+def test_numbers_that_yaml_reads_as_strings_are_numbers_where_a_number_is_due(tmp_path):
+    """PyYAML reads ``1e-3`` (no dot) as a string: a float key takes it as the number it is, an integer
+    key does not."""
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: 1e-3\n  weight_decay: 1\n")
+    cfg = load_config(str(path))
+    assert cfg.train.lr == 1e-3 and isinstance(cfg.train.weight_decay, float)
+    path.write_text("train:\n  steps: 1e3\n")
+    with pytest.raises(ConfigError, match=r"train\.steps: expected an integer, got '1e3'"):
+        load_config(str(path))
+
+
 def test_round_weights_and_their_short_form(config):
     """``round1_weight`` (the key of two-round training) still weighs round 1 against 1.0 for every later
     round; ``round_weights`` gives one weight per round; both at once are refused."""
@@ -104,7 +145,7 @@ def test_round_weights_and_their_short_form(config):
     assert loss_weights(opts.rounds, opts.round_weights, opts.round1_weight) == (2.0, 0.0, 1.5)
     with pytest.raises(ConfigError) as err:
         load_config(config, ["train.round1_weight=0.5", "train.round_weights=[1, 1, 1, 1]"])
-    assert "train.round_weights and train.round1_weight are both given" in str(err.value)
+    assert "train.round_weights: given with train.round1_weight" in str(err.value)
     with pytest.raises(ValueError, match="not both"):
         StepOptions(objective="retrace", round1_weight=0.5, round_weights=(1.0, 1.0, 1.0, 1.0))
     with pytest.raises(ValueError, match="one weight per round"):
@@ -195,3 +236,14 @@ def test_multi_process_launches_are_detected(monkeypatch):
     monkeypatch.setenv("JAX_PROCESS_ID", "first")
     with pytest.raises(ValueError, match="JAX_PROCESS_ID must be an integer, got 'first'"):
         distributed.initialize("auto")
+
+
+def test_assignments_are_checked(config):
+    cfg = load_config(config)
+    cfg.train.steps = 7
+    cfg["data"]["thinking"] = True
+    assert cfg.train.steps == 7 and cfg.data.thinking is True
+    with pytest.raises(ConfigError, match=r"^train\.steps: expected an integer, got '5'$"):
+        cfg.train.steps = "5"
+    with pytest.raises(ConfigError, match=r"^data\.drop_long_prompts: expected true or false, got 'false'$"):
+        cfg["data"]["drop_long_prompts"] = "false"
