@@ -33,17 +33,12 @@ from retrace_jax.training.data import byte_encoder, chat_encoder, load_tokenizer
 DEMO_MODEL = "smollm2-135m-instruct"
 DEFAULT_PROMPT = "Explain speculative decoding in one paragraph."
 # The laboratory pair (lab/README.md): a small code model trained on the standard library and its DFlash
-# drafter, in the repository's lab/ folder. Its default prompt is the start of a Python module, raw text.
+# drafter, in the repository's lab/ folder. Its default prompt opens a licence header, raw text: text the
+# target continues predictably, where drafts are long (τ about 11 at block 16); on ordinary code τ is
+# 3-7 (docs/performance.md).
 LAB_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "lab")
-LAB_PROMPT = '''"""Helpers for reading and writing configuration files."""
-
-import json
-import os
-
-
-def read_config(path):
-    """Returns the configuration stored in the JSON file at path."""
-'''
+LAB_PROMPT = ("# Copyright 2024 The Authors.\n#\n# Licensed under the Apache License, Version 2.0 (the \"License\");\n"
+              "# you may not use this file except in compliance with the License.\n")
 
 
 def parse_args(argv=None):
@@ -53,7 +48,7 @@ def parse_args(argv=None):
                                     'laboratory pair of lab/ (a code model and its drafter; raw text), or '
                                     f'{DEMO_MODEL} (fetched on first use); default: the demo')
     p.add_argument("--drafter", help="DFlash or ReTrace drafter directory (official DFlash layout)")
-    p.add_argument("--prompt", default=None, help="default: a question (the demo), a Python module's start (lab)")
+    p.add_argument("--prompt", default=None, help="default: a question (the demo), a licence header (lab)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=None, help="override the drafter's block size")
