@@ -124,37 +124,43 @@ class TargetModel(nnx.Module):
         if bad:
             raise ValueError(f"feature layers {bad} outside 0..{num_layers - 1}")
         kept = sorted(set(feature_layers) - {num_layers - 1})
-        slot_of = jnp.asarray([kept.index(i) if i in kept else len(kept) for i in range(num_layers)], jnp.int32)
-        feats = jnp.zeros((len(kept) + 1,) + x_btd.shape, x_btd.dtype) if kept else None
         graphdef, params = nnx.split(self.layers)
 
-        def body(state, xs):
-            x, carry, feats = state
-            layer_params, layer = xs
-            x, carry = nnx.merge(graphdef, layer_params)(x, positions_bt, attend_at(layer, carry))
-            if feats is not None:  # the unused last slot takes the layers nobody asked for
-                feats = jax.lax.dynamic_update_index_in_dim(feats, x, slot_of[layer], 0)
-            return (x, carry, feats), None
+        def block(x, carry, layer_params, layer):
+            return nnx.merge(graphdef, layer_params)(x, positions_bt, attend_at(layer, carry))
 
         per_layer = None if scan_layers else getattr(self, "_per_layer", None)
         if per_layer is None:
+            slot_of = jnp.asarray([kept.index(i) if i in kept else len(kept) for i in range(num_layers)], jnp.int32)
+
+            def body(state, xs):
+                x, carry, feats = state
+                x, carry = block(x, carry, *xs)
+                if feats is not None:  # the unused last slot takes the layers nobody asked for
+                    feats = jax.lax.dynamic_update_index_in_dim(feats, x, slot_of[xs[1]], 0)
+                return (x, carry, feats), None
+
+            feats = jnp.zeros((len(kept) + 1,) + x_btd.shape, x_btd.dtype) if kept else None
             (x, carry, feats), _ = jax.lax.scan(body, (x_btd, carry, feats), (params, jnp.arange(num_layers)))
+            outputs = {i: feats[kept.index(i)] for i in kept}
         else:  # separate arrays per layer (see unroll_layers): a Python loop, no weight slicing per call
             # Under a trace the block is one jitted function called once per layer: JAX traces and lowers
             # it once (same shapes; the layer index is an argument), and XLA inlines the calls. For the
             # demo's 30 layers this cut tracing plus lowering from about 2.1 to 0.8 s and XLA's compile
             # time from 10-11 to 7.2-7.4 s, with the same tokens and, within this machine's noise, the same
-            # speed (docs/performance.md).
+            # speed (docs/performance.md). The features are the chosen layers' outputs themselves (no
+            # buffer updated layer by layer).
             traced = isinstance(x_btd, jax.core.Tracer)
-            step = jax.jit(body) if traced else body
-            state = (x_btd, carry, feats)
+            step = jax.jit(block) if traced else block
+            x, outputs = x_btd, {}
             for i, layer_params in enumerate(per_layer):
-                state, _ = step(state, (layer_params, jnp.int32(i) if traced else i))
-            x, carry, feats = state
+                x, carry = step(x, carry, layer_params, jnp.int32(i) if traced else i)
+                if i in kept:
+                    outputs[i] = x
         hidden = self.norm(x)
         if not feature_layers:
             return hidden, carry, None
-        features = [hidden if i == num_layers - 1 else feats[kept.index(i)] for i in feature_layers]
+        features = [hidden if i == num_layers - 1 else outputs[i] for i in feature_layers]
         return hidden, carry, jnp.concatenate(features, -1)
 
     def __call__(self, tokens_bt, cache: KVCache, *, feature_layers: Sequence[int] = (),
