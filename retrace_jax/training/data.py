@@ -81,19 +81,22 @@ def first_user_turn(record: dict, where: str) -> list[dict]:
 
 def read_jsonl(path: str) -> Iterator[tuple[int, dict]]:
     """(line number, record) of each non-blank line of a JSONL file (gzip-compressed when its name ends in
-    ``.gz``); a line that is not JSON or not UTF-8 is a ``DataError`` naming the file and the line."""
+    ``.gz``); a line that is not JSON or not UTF-8 is a ``DataError`` naming the file and the line.
+
+    Lines are decoded one at a time: a text-mode file decodes a whole buffer ahead of the line it hands
+    out, so its error would name an earlier line and an offset into that buffer."""
     opener = gzip.open if path.endswith(".gz") else open
-    n = 0
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        yield n, json.loads(line)
-                    except json.JSONDecodeError as err:
-                        raise DataError(f"{path}:{n}: not valid JSON ({err.msg})") from None
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path}:{n + 1}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    with opener(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path}:{n}: not UTF-8 text ({err.reason} at byte {err.start} of the line)") from None
+            if line.strip():
+                try:
+                    yield n, json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{path}:{n}: not valid JSON ({err.msg})") from None
 
 
 def prompt_records(path: str) -> Iterator[tuple[int, dict, list[dict]]]:

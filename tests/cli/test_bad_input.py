@@ -235,6 +235,21 @@ def test_bad_jsonl_record_names_file_and_line(case, tmp_path):
         read_prompts(str(path))
 
 
+@pytest.mark.parametrize("name", ["prompts.jsonl", "prompts.jsonl.gz"])
+def test_a_byte_that_is_not_utf8_is_named_by_its_line(name, tmp_path):
+    """The line of the bad byte, not that of the decoder's first buffer (8 KiB and more: line 1)."""
+    import gzip
+
+    lines = [json.dumps({"prompt": f"w{i} " * 20}).encode() for i in range(300)]
+    lines[250] = b'{"prompt": "caf\xe9"}'
+    data = b"\n".join(lines) + b"\n"
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    with pytest.raises(DataError, match=rf"{name}:251: not UTF-8 text \(invalid continuation byte at byte 15 "
+                                        rf"of the line\)"):
+        read_prompts(str(path))
+
+
 def test_messages_after_the_first_user_turn_are_not_checked(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text(json.dumps({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt"}]}) + "\n")

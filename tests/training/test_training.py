@@ -222,6 +222,15 @@ def test_bad_configs_fail_clearly_and_lose_nothing(workspace, dflash_run, tmp_pa
     assert sorted(os.listdir(os.path.join(dflash_run[0], "checkpoints"))) == ["20", "40"]
 
 
+def test_a_prompt_file_that_is_not_utf8_is_named_with_its_line(workspace, tmp_path, capsys):
+    _, config = workspace
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in PROMPT_LINES[:5]) + b'{"prompt": "w\xe9"}\n')
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"data.prompts={bad}", "--set",
+                                            f"data.dir={tmp_path}/data", "--set", f"out={tmp_path}/out"])
+    assert message == f"error: {bad}:6: not UTF-8 text (invalid continuation byte at byte 13 of the line)", message
+
+
 def test_feature_cache_gives_the_same_training(workspace, dflash_run):
     root, config = workspace
     out = str(root / "cached")
