@@ -15,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from retrace_jax.errors import CheckpointError, ConfigError
-from retrace_jax.io.atomic import default_dir_mode, replace_directory
+from retrace_jax.io.atomic import default_dir_mode, read_directory, replace_directory
 from retrace_jax.io.safetensors import SINGLE_FILE, TensorReader, strip_prefix
 from retrace_jax.io.weights import (
     WeightSpec,
@@ -67,8 +67,13 @@ def _from_config_json(kind, path: str):
 def load_target(path: str, dtype=None, *, mesh: Mesh | None = None) -> TargetModel:
     """Loads a Qwen3 / Qwen2 / Llama checkpoint from a Hugging Face directory (sharded over ``mesh``
     by the logical-axis rules when one is given). ``dtype``: "float32", "bfloat16" or None (bfloat16 on
-    GPU and TPU, float32 on CPU)."""
+    GPU and TPU, float32 on CPU). Every file comes from one save, even while another one replaces it
+    (:func:`~retrace_jax.io.atomic.read_directory`)."""
     dtype = resolve_dtype(dtype)
+    return read_directory(path, lambda directory: _load_target(directory, dtype, mesh))
+
+
+def _load_target(path: str, dtype, mesh: Mesh | None) -> TargetModel:
     cfg = _from_config_json(ModelConfig, path)
     check_divisible("target", cfg.num_heads, cfg.num_kv_heads, mesh)
     reader = TensorReader(path)
@@ -84,9 +89,15 @@ def load_drafter(path: str, target: TargetModel, dtype=None, *, retrace: bool | 
     A checkpoint whose config has ``retrace_config`` loads as a ReTrace drafter. ``retrace=True`` turns
     a plain DFlash checkpoint into a ReTrace drafter whose new module starts at zero (``W_v = 0``, so it
     drafts exactly as before; a ``ReTraceConfig`` chooses its options); ``retrace=False`` loads only the
-    DFlash part of a ReTrace checkpoint. ``dtype`` defaults to the target's.
+    DFlash part of a ReTrace checkpoint. ``dtype`` defaults to the target's. Every file comes from one
+    save, even while another one replaces it (:func:`~retrace_jax.io.atomic.read_directory`).
     """
     dtype = resolve_dtype(target.dtype if dtype is None else dtype)
+    return read_directory(path, lambda directory: _load_drafter(directory, target, dtype, retrace, seed, mesh))
+
+
+def _load_drafter(path: str, target: TargetModel, dtype, retrace: bool | ReTraceConfig | None, seed: int,
+                  mesh: Mesh | None) -> DFlashDrafter:
     stored = _from_config_json(DrafterConfig, path)
     cfg = stored
     if isinstance(retrace, ReTraceConfig) and stored.retrace not in (None, retrace):

@@ -133,7 +133,8 @@ def test_save_drafter_failure_leaves_the_old_checkpoint(target, tmp_path, monkey
     with pytest.raises(OSError, match="simulated"):
         rj.save_drafter(_drafter(target, seed=1, retrace=rj.ReTraceConfig()), path)
     assert {f: open(os.path.join(path, f), "rb").read() for f in os.listdir(path)} == before
-    assert os.listdir(tmp_path) == ["d"]  # no temporary directory left behind
+    assert sorted(os.listdir(tmp_path)) == ["d", "d.versions"]
+    assert os.listdir(tmp_path / "d.versions") == ["1"]  # no temporary directory left behind
     monkeypatch.undo()
     np.testing.assert_array_equal(_fc(rj.load_drafter(path, target)), _fc(old))
 
@@ -151,7 +152,7 @@ def test_save_drafter_replaces_stale_weights_of_another_layout(target, tmp_path)
     rj.save_drafter(new, path)
     assert sorted(os.listdir(path)) == ["config.json", "model.safetensors", "tokenizer.json"]
     np.testing.assert_array_equal(_fc(rj.load_drafter(path, target)), _fc(new))
-    assert sorted(os.listdir(tmp_path)) == ["d"]
+    assert sorted(os.listdir(tmp_path)) == ["d", "d.versions"]
 
 
 def test_save_drafter_refuses_what_is_not_a_checkpoint_directory(target, tmp_path):
@@ -171,7 +172,7 @@ def test_drafter_config_json_errors_name_the_file(target, tmp_path):
     with pytest.raises(rj.ConfigError, match=r"config.json: num_hidden_layers must be a positive integer, got 0"):
         rj.load_drafter(path, target)
     _write(os.path.join(path, "config.json"), "{oops")
-    with pytest.raises(rj.ConfigError, match=r"d/config\.json is not valid JSON"):
+    with pytest.raises(rj.ConfigError, match=r"d\.versions/1/config\.json is not valid JSON"):  # the file itself
         rj.load_drafter(path, target)
 
 
