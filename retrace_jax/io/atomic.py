@@ -17,6 +17,7 @@ as it is; the first save onto it replaces it with the link (the save's only mome
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -97,6 +98,20 @@ def read_directory(path: str, read: Callable[[str], T]) -> T:
             return result  # a version that was read whole is one save's files, even if it is no longer the newest
     raise CheckpointError(f"{path} was replaced {READ_ATTEMPTS} times while it was being read; is something "
                           f"saving to it without pause?")
+
+
+def write_error(err: BaseException, doing: str) -> OSError:
+    """An ``OSError`` saying ``doing: REASON`` with the errno of ``err``. safetensors and Orbax report a
+    failed write (a full disk) as a ``SafetensorError`` or a ``ValueError`` that gives the errno only in
+    their text ("os error 28", "os_error_code='28'"); as an ``OSError`` it is the I/O failure it is, and
+    ``train.py`` prints it as one line."""
+    code = getattr(err, "errno", None)
+    if code is None:
+        found = re.search(r"os error (\d+)|os_error_code='(\d+)'", str(err))
+        code = int(found.group(1) or found.group(2)) if found else None
+    out = OSError(f"{doing}: {os.strerror(code) if code else str(err) or type(err).__name__}")
+    out.errno = code
+    return out
 
 
 def default_dir_mode() -> int:

@@ -15,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from retrace_jax.errors import CheckpointError, ConfigError
-from retrace_jax.io.atomic import default_dir_mode, read_directory, replace_directory
+from retrace_jax.io.atomic import default_dir_mode, read_directory, replace_directory, write_error
 from retrace_jax.io.safetensors import SINGLE_FILE, TensorReader, strip_prefix
 from retrace_jax.io.weights import (
     WeightSpec,
@@ -160,9 +160,10 @@ def save_drafter(drafter: DFlashDrafter, path: str, dtype=None) -> None:
     """Writes ``config.json`` and ``model.safetensors`` in the official DFlash layout; ``dtype``
     ("float32" or "bfloat16") stores the weights in that type (default: the drafter's own).
 
-    The checkpoint is written beside ``path`` and renamed into place
+    The checkpoint is written as a new version that ``path`` then links to
     (:func:`~retrace_jax.io.atomic.replace_directory`): a failure leaves an existing checkpoint as it was;
-    other files there (a tokenizer, a README) are kept, old weight files of any layout are not."""
+    other files there (a tokenizer, a README) are kept, old weight files of any layout are not. A failed
+    write (a full disk) is an ``OSError`` naming ``path`` and the cause."""
     extra = None
     if drafter.cfg.draft_vocab_size is not None:  # beside the official layout (retrace_jax/models/draft_vocab.py)
         ids = np.asarray(jax.device_get(drafter.draft_vocab.get_value()), np.int32)
@@ -187,13 +188,17 @@ def _save_checkpoint(module, hf: dict, specs: list[WeightSpec], path: str, dtype
     dtype = resolve_dtype(dtype if dtype is not None else module.dtype)
 
     def write(tmp: str) -> None:
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(dict(hf, torch_dtype=dtype.name), f, indent=2)
         tensors = {k: v.astype(dtype) for k, v in export_tensors(module, specs).items()}
-        save_file(tensors, os.path.join(tmp, SINGLE_FILE), metadata={"format": "pt"})
-        for file, file_tensors in {SINGLE_FILE: None, **(extra or {})}.items():
-            if file_tensors is not None:
-                save_file(file_tensors, os.path.join(tmp, file))
-            os.chmod(os.path.join(tmp, file), default_dir_mode() & 0o666)  # safetensors writes it private
+        try:
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(dict(hf, torch_dtype=dtype.name), f, indent=2)
+            save_file(tensors, os.path.join(tmp, SINGLE_FILE), metadata={"format": "pt"})
+            for file, file_tensors in {SINGLE_FILE: None, **(extra or {})}.items():
+                if file_tensors is not None:
+                    save_file(file_tensors, os.path.join(tmp, file))
+                os.chmod(os.path.join(tmp, file), default_dir_mode() & 0o666)  # safetensors writes it private
+        except (OSError, SafetensorError) as err:
+            raise write_error(err, f"{caller} could not write {path}") from err
 
     replace_directory(path, write, caller)
+

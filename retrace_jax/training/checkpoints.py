@@ -5,15 +5,27 @@ Each checkpoint also stores the run's settings (``meta``) as plain JSON. :meth:`
 reads them straight from the file, so a resume with other settings is refused before Orbax restores
 anything. With several processes every process calls ``save`` and ``restore`` (Orbax coordinates them;
 each writes and reads its own shards), and the directory must be one that all processes see.
+
+A checkpoint that would not fit in the free disk space is refused before Orbax writes any of it, and a
+write that fails anyway (the disk filled meanwhile) is reported as an ``OSError`` naming the checkpoint:
+Orbax itself reports it from background threads, later, as a ``ValueError`` with the errno in its text.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import logging
 import os
+import shutil
+import sys
 
 import jax
 import orbax.checkpoint as ocp
+
+from retrace_jax.io.atomic import write_error
+from retrace_jax.parallel.distributed import agree_any
 
 
 class Checkpoints:
@@ -29,16 +41,44 @@ class Checkpoints:
                                                  create=not read_only, cleanup_tmp_directories=not read_only,
                                                  read_only=read_only),
         )
+        self._writing: int | None = None  # the step of the last save started (asynchronous saves end later)
+        self._quiet = _QuietWriteFailures(sys.unraisablehook)
+        logging.getLogger("absl").addFilter(self._quiet)
+        sys.unraisablehook = self._quiet.unraisable
 
     def latest_step(self) -> int | None:
         """The last finished checkpoint (one whose write was interrupted does not count)."""
         return self.manager.latest_step()
 
     def save(self, step: int, drafter_state, opt_state, meta: dict) -> None:
-        """Starts saving state after ``step`` steps (returns before the write finishes when async)."""
+        """Starts saving state after ``step`` steps (returns before the write finishes when async). Raises
+        ``OSError`` (ENOSPC) when the checkpoint would not fit in the free space, before anything is written
+        (every process raises together), and reports a failed earlier save first, as its own."""
+        self.wait()
         tree = {"params": drafter_state, "opt_state": opt_state}
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
-                                                        meta=ocp.args.JsonSave(dict(meta, step=step))), force=True)
+        # uncompressed (zstd saves little on weights), with room for Orbax's metadata and temporary files
+        needed = int(sum(x.nbytes for x in jax.tree.leaves(tree)) * 1.05) + 2**20
+        free = shutil.disk_usage(self.directory).free
+        if agree_any(free < needed):
+            err = OSError(f"no space left on device for checkpoint {step} in {self.directory}: it needs about "
+                          f"{_size(needed)}, {_size(free)} are free")
+            err.errno = errno.ENOSPC
+            raise err
+        self._writing = step
+        try:
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
+                                                            meta=ocp.args.JsonSave(dict(meta, step=step))), force=True)
+        except Exception as err:
+            _raise_io_error(err, f"checkpoint {step} in {self.directory} could not be written")
+            raise
+
+    def wait(self) -> None:
+        """Waits for the last save to finish; its failure to write is an ``OSError`` naming it."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as err:
+            _raise_io_error(err, f"checkpoint {self._writing} in {self.directory} could not be written")
+            raise
 
     def read_meta(self, step: int) -> dict:
         """The settings saved with checkpoint ``step``, read without Orbax (nothing is restored)."""
@@ -58,8 +98,55 @@ class Checkpoints:
         return r.state["params"], r.state["opt_state"], r.meta
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        try:
+            self.wait()
+        except BaseException:
+            with contextlib.suppress(Exception):  # Orbax's close waits again and raises the same failure
+                self.manager.close()
+            raise
+        finally:
+            logging.getLogger("absl").removeFilter(self._quiet)
+            if sys.unraisablehook == self._quiet.unraisable:
+                sys.unraisablehook = self._quiet.previous
         self.manager.close()
+
+
+class _QuietWriteFailures(logging.Filter):
+    """Silences the echoes of a failed write in Orbax's background threads, which the caller gets as one
+    ``OSError`` (:meth:`Checkpoints.wait`): Orbax's error records of it (each with a traceback), and
+    TensorStore's callbacks that then find Orbax's event loop closed (each an "unraisable" traceback)."""
+
+    def __init__(self, previous_hook):
+        super().__init__()
+        self.previous = previous_hook  # sys.unraisablehook before: everything else goes there
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        err = record.exc_info[1] if record.exc_info else None
+        while err is not None:
+            if "orbax" in record.pathname and write_error(err, "").errno is not None:
+                return False
+            err = err.__cause__ or err.__context__
+        return True
+
+    def unraisable(self, unraisable) -> None:
+        err, tb = unraisable.exc_value, unraisable.exc_traceback
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if not (isinstance(err, RuntimeError) and str(err) == "Event loop is closed" and tb is not None
+                and tb.tb_frame.f_code.co_name == "_check_closed"):
+            self.previous(unraisable)
+
+
+def _raise_io_error(err: Exception, doing: str) -> None:
+    """Raises ``err`` as an ``OSError`` saying ``doing`` when it is a failed write (its text gives an
+    errno); returns otherwise."""
+    io = write_error(err, doing)
+    if io.errno is not None:
+        raise io from err
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def settings_differences(saved: dict, now: dict) -> dict:

@@ -13,6 +13,7 @@ truncated user turn and the drafter would be trained on that.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gzip
 import json
@@ -23,6 +24,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from retrace_jax.errors import DataError
+from retrace_jax.io.atomic import write_error
 from retrace_jax.models.config import short_repr
 
 MANIFEST = "manifest.json"
@@ -171,10 +173,24 @@ def _shard_path(out_dir: str, i: int) -> str:
 
 
 def _write_manifest(out_dir: str, manifest: dict) -> None:
-    path = os.path.join(out_dir, MANIFEST)
-    with open(path + ".tmp", "w") as f:
-        json.dump(manifest, f)
-    os.replace(path + ".tmp", path)
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(manifest, f)
+
+    _write_file(os.path.join(out_dir, MANIFEST), ".tmp", write)
+
+
+def _write_file(path: str, suffix: str, write: Callable[[str], None]) -> None:
+    """``write(path + suffix)``, then renamed to ``path`` (readers see the whole file or none). A failed
+    write (a full disk) removes the partial file and is an ``OSError`` naming ``path``."""
+    tmp = path + suffix
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise write_error(err, f"could not write {path}") from err
 
 
 def check_manifest(out_dir: str, settings: PrepareSettings) -> dict | None:
@@ -251,8 +267,8 @@ def prepare_shards(out_dir: str, prompts_ids: Sequence[Sequence[int]], settings:
         tokens = np.concatenate([np.asarray(p + r, np.int32) for p, r in seqs])
         mask = np.concatenate([np.r_[np.zeros(len(p), np.uint8), np.ones(len(r), np.uint8)] for p, r in seqs])
         path = _shard_path(out_dir, i)
-        np.savez(path + f".tmp{process_index}.npz", tokens=tokens, loss_mask=mask, offsets=offsets)
-        os.replace(path + f".tmp{process_index}.npz", path)
+        arrays = {"tokens": tokens, "loss_mask": mask, "offsets": offsets}
+        _write_file(path, f".tmp{process_index}.npz", lambda tmp, arrays=arrays: np.savez(tmp, **arrays))
         if process_count == 1:
             manifest["done"] = sorted(set(manifest["done"]) | {i})
             _write_manifest(out_dir, manifest)

@@ -15,6 +15,7 @@ from flax import nnx
 
 from retrace_jax.decoding.generation import generate
 from retrace_jax.errors import ConfigError
+from retrace_jax.io.atomic import write_error
 from retrace_jax.io.checkpoints import save_drafter
 from retrace_jax.parallel.distributed import barrier
 from retrace_jax.training.data import SequenceData
@@ -109,8 +110,11 @@ class MetricsLog:
             print(line if self.process == 0 else f"[process {self.process}] {line}", flush=True)
         if self.metrics is None:
             return
-        self.metrics.write(line + "\n")
-        self.metrics.flush()
+        try:
+            self.metrics.write(line + "\n")
+            self.metrics.flush()
+        except OSError as err:  # a full disk: the error names the file
+            raise write_error(err, f"could not write {self.metrics.name}") from err
         if self._open_writer is not None and "step" in record and record.get("event", "eval") == "eval":
             if self.writer is None:
                 self.writer = self._open_writer()
@@ -122,9 +126,14 @@ class MetricsLog:
             self.writer.flush()
 
     def close(self) -> None:
-        if self.metrics is not None:
-            self.metrics.close()
-            self.metrics = None
-        if self.writer is not None:
-            self.writer.close()
-        self.writer, self._open_writer = None, None
+        writer, self.writer, self._open_writer = self.writer, None, None
+        metrics, self.metrics = self.metrics, None
+        try:
+            if writer is not None:
+                writer.close()
+        finally:
+            if metrics is not None:
+                try:
+                    metrics.close()
+                except OSError as err:
+                    raise write_error(err, f"could not write {metrics.name}") from err

@@ -2,12 +2,14 @@
 
 Nothing here compiles a generation: every error is raised before the first program runs."""
 
+import errno
 import json
 import os
 import shutil
 
 import numpy as np
 import pytest
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 import decode
@@ -137,6 +139,24 @@ def test_save_drafter_failure_leaves_the_old_checkpoint(target, tmp_path, monkey
     assert os.listdir(tmp_path / "d.versions") == ["1"]  # no temporary directory left behind
     monkeypatch.undo()
     np.testing.assert_array_equal(_fc(rj.load_drafter(path, target)), _fc(old))
+
+
+@pytest.mark.parametrize("failure", [
+    SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),  # safetensors'
+    OSError(errno.ENOSPC, "No space left on device"),  # open() or json.dump
+])
+def test_save_drafter_on_a_full_disk_raises_an_os_error_naming_the_path(failure, target, tmp_path, monkeypatch):
+    path = str(tmp_path / "d")
+
+    def fail(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(checkpoints, "save_file", fail)
+    with pytest.raises(OSError) as err:
+        rj.save_drafter(_drafter(target), path)
+    assert err.value.errno == errno.ENOSPC
+    assert str(err.value) == f"save_drafter could not write {path}: No space left on device"
+    assert not os.path.exists(path) and os.listdir(tmp_path / "d.versions") == []
 
 
 def test_save_drafter_replaces_stale_weights_of_another_layout(target, tmp_path):

@@ -143,6 +143,21 @@ def test_data_preparation_resumes_and_keeps_finished_shards(tmp_path):
     assert first.stat().st_mtime_ns == stamp
 
 
+def test_a_shard_that_does_not_fit_on_the_disk_is_named(tmp_path, monkeypatch):
+    import errno
+
+    def full(file, **arrays):
+        with open(file, "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(np, "savez", full)
+    settings = PrepareSettings(num_prompts=2, shard_size=2, max_prompt_len=8, max_new_tokens=3)
+    with pytest.raises(OSError, match=r"could not write .*/shard_00000\.npz: No space left on device$"):
+        prepare_shards(str(tmp_path), [[1, 2], [3, 4]], settings, lambda c, first: [[5]] * len(c), progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["manifest.json"]  # no partial file left
+
+
 def test_prompt_files(tmp_path):
     good = tmp_path / "p.jsonl"
     good.write_text("\n".join(json.dumps(r) for r in PROMPT_LINES[:3]) + "\n\n")
@@ -229,6 +244,36 @@ def test_a_prompt_file_that_is_not_utf8_is_named_with_its_line(workspace, tmp_pa
     message = cli_error(capsys, train.main, ["--config", config, "--set", f"data.prompts={bad}", "--set",
                                             f"data.dir={tmp_path}/data", "--set", f"out={tmp_path}/out"])
     assert message == f"error: {bad}:6: not UTF-8 text (invalid continuation byte at byte 13 of the line)", message
+
+
+def test_a_full_disk_stops_train_py_with_one_error_line(workspace, dflash_run, tmp_path, monkeypatch, capsys):
+    """A checkpoint that does not fit is refused before Orbax writes it; an export that fails (safetensors
+    raises its own error type) is an OSError naming the drafter. Either way: one line, no traceback."""
+    from collections import namedtuple
+
+    from safetensors import SafetensorError
+
+    from retrace_jax.io import checkpoints as io_checkpoints
+    from retrace_jax.training import checkpoints as training_checkpoints
+
+    _, config = workspace
+    out = tmp_path / "full"
+    args = ["--config", config, "--set", f"out={out}", "--set", "train.steps=2", "--set", "train.checkpoint_every=2"]
+    usage = namedtuple("usage", "total used free")
+    with monkeypatch.context() as m:
+        m.setattr(training_checkpoints.shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 100_000))
+        message = cli_error(capsys, train.main, args)
+    assert message.startswith(f"error: no space left on device for checkpoint 2 in {out}/checkpoints: it needs "
+                              f"about "), message
+    assert message.endswith(" MiB, 0.10 MiB are free"), message
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(io_checkpoints, "save_file", full)
+    message = cli_error(capsys, train.main, args)
+    assert message == f"error: save_drafter could not write {out}/drafter: No space left on device", message
+    assert os.listdir(out / "checkpoints") == ["2"] and not os.path.exists(out / "drafter")
 
 
 def test_feature_cache_gives_the_same_training(workspace, dflash_run):
