@@ -60,6 +60,7 @@ def run(args):
     from retrace_jax.parallel.distributed import initialize
     from retrace_jax.training.config import load_config
     from retrace_jax.training.evaluate import MetricsLog
+    from retrace_jax.training.lock import run_lock
     from retrace_jax.training.loop import export_checkpoint, train
     from retrace_jax.training.prepare import prepare
 
@@ -68,16 +69,17 @@ def run(args):
     enable_compilation_cache()  # a rerun (e.g. a resume) loads its programs instead of compiling them
     if args.stage == "export":  # prints only: the run's own log files stay the run's
         return export_checkpoint(cfg, args.step, MetricsLog(None))
-    log = MetricsLog(cfg.out, cfg.train.tensorboard)
-    try:
-        if args.stage in ("all", "prepare"):
-            manifest = os.path.join(cfg.data_dir, "manifest.json")
-            if args.stage == "prepare" or not os.path.exists(manifest) or _unfinished(manifest):
-                prepare(cfg, log)
-        if args.stage in ("all", "train"):
-            return train(cfg, log)
-    finally:
-        log.close()
+    with run_lock(cfg.out):  # one run at a time in OUT, refused before anything is written
+        log = MetricsLog(cfg.out, cfg.train.tensorboard)
+        try:
+            if args.stage in ("all", "prepare"):
+                manifest = os.path.join(cfg.data_dir, "manifest.json")
+                if args.stage == "prepare" or not os.path.exists(manifest) or _unfinished(manifest):
+                    prepare(cfg, log)
+            if args.stage in ("all", "train"):
+                return train(cfg, log)
+        finally:
+            log.close()
 
 
 def _unfinished(manifest_path: str) -> bool:

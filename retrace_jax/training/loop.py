@@ -40,6 +40,7 @@ from retrace_jax.training.checkpoints import Checkpoints, settings_differences
 from retrace_jax.training.config import TrainConfig, as_config
 from retrace_jax.training.data import SequenceData
 from retrace_jax.training.evaluate import cached_features, evaluate, export_drafter
+from retrace_jax.training.lock import run_lock
 from retrace_jax.training.prepare import build_target
 from retrace_jax.training.retrace_loss import loss_weights
 from retrace_jax.training.step import StepOptions, adamw, init_opt_state, make_train_step
@@ -219,19 +220,22 @@ def _trainable(cfg: TrainConfig, drafter, mesh):
 
 def train(cfg, log=print) -> dict:
     """Runs (or resumes) training; returns a summary. Exports the drafter when the run completes. With
-    several processes every process calls this with the same configuration."""
+    several processes every process calls this with the same configuration. Holds the lock on
+    ``cfg.out`` (:mod:`retrace_jax.training.lock`): another run there is refused."""
     cfg = as_config(cfg)
-    s = _setup(cfg, log)
-    with open(os.path.join(cfg.data_dir, "eval_prompts.json")) as f:
-        eval_ids = json.load(f)
-    ckpts = Checkpoints(os.path.join(cfg.out, "checkpoints"), keep=cfg.train.keep_checkpoints)
-    try:
-        start = ckpts.latest_step() or 0
-        if start:
-            check_resume(ckpts, start, s.settings, cfg.out)
-        return _run(cfg, s, eval_ids, ckpts, start, log)
-    finally:
-        ckpts.close()
+    initialize(cfg.train.distributed)  # before the lock, which process 0 takes
+    with run_lock(cfg.out):
+        s = _setup(cfg, log)
+        with open(os.path.join(cfg.data_dir, "eval_prompts.json")) as f:
+            eval_ids = json.load(f)
+        ckpts = Checkpoints(os.path.join(cfg.out, "checkpoints"), keep=cfg.train.keep_checkpoints)
+        try:
+            start = ckpts.latest_step() or 0
+            if start:
+                check_resume(ckpts, start, s.settings, cfg.out)
+            return _run(cfg, s, eval_ids, ckpts, start, log)
+        finally:
+            ckpts.close()
 
 
 def export_checkpoint(cfg, step: int | None = None, log=print) -> str:

@@ -35,6 +35,7 @@ from retrace_jax.training.data import (
     prepare_shards,
     read_prompts,
 )
+from retrace_jax.training.lock import run_lock
 
 
 def data_dir(cfg) -> str:
@@ -70,8 +71,14 @@ def prompt_ids(cfg: TrainConfig, vocab: int, tokenizer, log) -> list[list[int]]:
 
 def prepare(cfg, log=print) -> str:
     """Regenerates the training responses with the target; returns the data directory. Every process
-    of a multi-process run calls this (each prepares its share)."""
+    of a multi-process run calls this (each prepares its share). Holds the lock on ``cfg.out``
+    (:mod:`retrace_jax.training.lock`)."""
     cfg = as_config(cfg)
+    with run_lock(cfg.out):
+        return _prepare(cfg, log)
+
+
+def _prepare(cfg: TrainConfig, log) -> str:
     d = cfg.data
     nproc, pid = jax.process_count(), jax.process_index()
     target, tokenizer = build_target(cfg)  # each process regenerates on its own devices

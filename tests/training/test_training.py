@@ -23,6 +23,7 @@ from retrace_jax.training.data import (
 )
 from tests.helpers import cli_error, make_hf_model, save_hf_model, save_word_tokenizer
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPT_LINES = [
     {"conversations": [{"from": "human", "value": "w5 w6 w7 w8"}, {"from": "gpt", "value": "w9"}]},
     {"messages": [{"role": "system", "content": "w3"}, {"role": "user", "content": "w10 w11 w12"}]},
@@ -274,6 +275,37 @@ def test_a_full_disk_stops_train_py_with_one_error_line(workspace, dflash_run, t
     message = cli_error(capsys, train.main, args)
     assert message == f"error: save_drafter could not write {out}/drafter: No space left on device", message
     assert os.listdir(out / "checkpoints") == ["2"] and not os.path.exists(out / "drafter")
+
+
+def test_a_second_run_on_the_same_out_is_refused_at_once(workspace, tmp_path, capsys):
+    """A run holds OUT's lock for its lifetime: another run on OUT exits at once naming the holder; a lock
+    left by a killed run does not block the next one."""
+    import signal
+    import subprocess
+    import sys
+
+    from retrace_jax.training.lock import hold_out_dir
+
+    _, config = workspace
+    out = tmp_path / "busy"
+    code = ("import sys, time\n"
+            "from retrace_jax.training.lock import hold_out_dir\n"
+            "with hold_out_dir(sys.argv[1]):\n"
+            "    print('locked', flush=True)\n"
+            "    time.sleep(600)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                              env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={out}"])
+        assert message.startswith(f"error: {out} is in use by another run (pid {holder.pid} on "), message
+        assert "train into another out directory" in message
+        assert os.listdir(out) == ["train.lock"]  # nothing else written: no metrics.jsonl, no data
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    with hold_out_dir(str(out)), hold_out_dir(str(out)):  # the killed run's lock is gone; re-entrant
+        assert (out / "train.lock").read_text().startswith(f"pid {os.getpid()} on ")
 
 
 def test_feature_cache_gives_the_same_training(workspace, dflash_run):
