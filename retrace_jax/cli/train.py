@@ -19,6 +19,8 @@ Several processes (one per host) run the same command; see docs/training.md. On 
 
 Errors (a bad configuration, a missing file, a diverged run) print one ``error: ...`` line and exit
 with status 1; ``--traceback`` (or ``RETRACE_JAX_TRACEBACK=1``, as for decode.py) shows the traceback.
+A run stopped by SIGTERM (a preempting scheduler) saves a checkpoint and exits with status 143 (128 + 15);
+the same command resumes it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import sys
 
 from retrace_jax.cli import TRAIN_ERRORS, run_main
 
@@ -77,7 +81,13 @@ def run(args):
                 if args.stage == "prepare" or not os.path.exists(manifest) or _unfinished(manifest):
                     prepare(cfg, log)
             if args.stage in ("all", "train"):
-                return train(cfg, log)
+                summary = train(cfg, log)
+                if summary.get("stopped") == "SIGTERM":  # preempted: the job must not look finished
+                    print(f"stopped by SIGTERM at step {summary['step']} of {cfg.train.steps} (checkpoint saved in "
+                          f"{os.path.join(cfg.out, 'checkpoints')}); rerun the same command to resume",
+                          file=sys.stderr, flush=True)
+                    raise SystemExit(128 + signal.SIGTERM)
+                return summary
         finally:
             log.close()
 

@@ -219,7 +219,9 @@ def _trainable(cfg: TrainConfig, drafter, mesh):
 
 
 def train(cfg, log=print) -> dict:
-    """Runs (or resumes) training; returns a summary. Exports the drafter when the run completes. With
+    """Runs (or resumes) training; returns a summary. Exports the drafter when the run completes; a run
+    that stops before (SIGTERM, ``train.stop_after``) saves a checkpoint and says why in
+    ``summary["stopped"]`` ("SIGTERM" or "stop_after"). With
     several processes every process calls this with the same configuration. Holds the lock on
     ``cfg.out`` (:mod:`retrace_jax.training.lock`): another run there is refused."""
     cfg = as_config(cfg)
@@ -334,7 +336,10 @@ def _run(cfg: TrainConfig, setup: _Setup, eval_ids, ckpts, start, log) -> dict:
                 ckpts.save(step, drafter_state, opt_state, settings)
                 last_saved = step
             if stopping:
-                log({"event": "stopped", "step": step, "reason": "SIGTERM" if stop_now else "stop_after"})
+                reason = "SIGTERM" if stop_now else "stop_after"
+                log({"event": "stopped", "step": step, "reason": reason})
+                if step < t.steps:
+                    summary["stopped"] = reason
                 break
         check_finite()
     finally:

@@ -308,6 +308,37 @@ def test_a_second_run_on_the_same_out_is_refused_at_once(workspace, tmp_path, ca
         assert (out / "train.lock").read_text().startswith(f"pid {os.getpid()} on ")
 
 
+def test_sigterm_saves_a_checkpoint_and_exits_143_then_the_rerun_finishes(workspace, dflash_run, tmp_path, monkeypatch,
+                                                                          capsys):
+    import signal
+
+    from retrace_jax.training import loop
+
+    _, config = workspace
+    out = tmp_path / "preempted"
+    args = ["--config", config, "--set", f"out={out}", "--set", "train.steps=6", "--set", "train.checkpoint_every=6"]
+    batch = loop.global_batch
+
+    def preempted(data, step, *rest, **kwargs):
+        if step == 2:  # during the third step, as a scheduler would
+            os.kill(os.getpid(), signal.SIGTERM)
+        return batch(data, step, *rest, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(loop, "global_batch", preempted)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            train.main(args)
+    assert exit_.value.code == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (f"stopped by SIGTERM at step 3 of 6 (checkpoint saved in {out}/checkpoints); "
+                                    f"rerun the same command to resume"), err
+    assert os.listdir(out / "checkpoints") == ["3"] and not os.path.exists(out / "drafter")
+    summary = train.main(args)
+    assert summary["step"] == 6 and os.path.isdir(summary["drafter"])
+    assert [r["step"] for r in _records(str(out)) if r.get("event") == "resumed"] == [3]
+
+
 def test_feature_cache_gives_the_same_training(workspace, dflash_run):
     root, config = workspace
     out = str(root / "cached")
