@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import json
 import logging
 import os
@@ -24,8 +25,9 @@ import sys
 import jax
 import orbax.checkpoint as ocp
 
+from retrace_jax.errors import CheckpointError
 from retrace_jax.io.atomic import write_error
-from retrace_jax.parallel.distributed import agree_any
+from retrace_jax.parallel.distributed import agree_any, barrier
 
 
 class Checkpoints:
@@ -49,6 +51,25 @@ class Checkpoints:
     def latest_step(self) -> int | None:
         """The last finished checkpoint (one whose write was interrupted does not count)."""
         return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """The finished checkpoints, newest first."""
+        return sorted(self.manager.all_steps(), reverse=True)
+
+    def set_aside(self, step: int) -> str:
+        """Renames checkpoint ``step`` to ``STEP.unreadable`` (Orbax ignores the name, so the step can be
+        saved again); returns the new path. Every process calls this; process 0 renames."""
+        path = os.path.join(self.directory, str(step))
+        moved, n = path + ".unreadable", 1
+        while os.path.exists(moved):
+            n += 1
+            moved = f"{path}.unreadable-{n}"
+        barrier("retrace_jax.checkpoints.set_aside")  # every process chose the name before the rename
+        if jax.process_index() == 0:
+            os.rename(path, moved)
+        barrier("retrace_jax.checkpoints.set_aside.done")
+        self.manager.reload()
+        return moved
 
     def save(self, step: int, drafter_state, opt_state, meta: dict) -> None:
         """Starts saving state after ``step`` steps (returns before the write finishes when async). Raises
@@ -90,12 +111,20 @@ class Checkpoints:
             return {}  # a checkpoint without readable settings: the restore itself checks the tree
 
     def restore(self, step: int, drafter_state, opt_state):
-        """Restores onto the structure, dtypes and shardings of the given (freshly built) states."""
+        """Restores onto the structure, dtypes and shardings of the given (freshly built) states. A
+        checkpoint that cannot be read (a truncated or lost file) is a ``CheckpointError`` naming it and
+        the cause (Orbax raises bare ``Exception``s, with a TensorStore spec in the message)."""
         tree = {"params": drafter_state, "opt_state": opt_state}
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
-        r = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                               meta=ocp.args.JsonRestore()))
-        return r.state["params"], r.state["opt_state"], r.meta
+        try:
+            r = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                                   meta=ocp.args.JsonRestore()))
+        except Exception as err:  # noqa: BLE001 -- any failure to read it
+            reason = _reason(err)
+        else:
+            return r.state["params"], r.state["opt_state"], r.meta
+        gc.collect()  # Orbax's abandoned reads end now (the traceback held them), while their echoes are silenced
+        raise CheckpointError(f"checkpoint {step} in {self.directory} cannot be read ({reason})")
 
     def close(self) -> None:
         try:
@@ -112,9 +141,10 @@ class Checkpoints:
 
 
 class _QuietWriteFailures(logging.Filter):
-    """Silences the echoes of a failed write in Orbax's background threads, which the caller gets as one
-    ``OSError`` (:meth:`Checkpoints.wait`): Orbax's error records of it (each with a traceback), and
-    TensorStore's callbacks that then find Orbax's event loop closed (each an "unraisable" traceback)."""
+    """Silences the echoes of a failed write or read in Orbax's background threads, which the caller gets
+    as one ``OSError`` (:meth:`Checkpoints.wait`) or ``CheckpointError`` (:meth:`Checkpoints.restore`):
+    Orbax's error records of it (each with a traceback), TensorStore's callbacks that then find Orbax's
+    event loop closed, and Orbax's abandoned reads as they are collected (each an "unraisable" traceback)."""
 
     def __init__(self, previous_hook):
         super().__init__()
@@ -132,9 +162,20 @@ class _QuietWriteFailures(logging.Filter):
         err, tb = unraisable.exc_value, unraisable.exc_traceback
         while tb is not None and tb.tb_next is not None:
             tb = tb.tb_next
-        if not (isinstance(err, RuntimeError) and str(err) == "Event loop is closed" and tb is not None
-                and tb.tb_frame.f_code.co_name == "_check_closed"):
+        closed_loop = (isinstance(err, RuntimeError) and str(err) == "Event loop is closed" and tb is not None
+                       and tb.tb_frame.f_code.co_name == "_check_closed")
+        # a read of a failed restore, abandoned by Orbax: the restore's CheckpointError reports the failure
+        abandoned = "/orbax/" in getattr(getattr(unraisable.object, "cr_code", None), "co_filename", "")
+        if not (closed_loop or abandoned):
             self.previous(unraisable)
+
+
+def _reason(err: BaseException) -> str:
+    """The first line of the innermost cause of ``err`` (Orbax's own message goes on with a TensorStore spec)."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    text = (str(err).splitlines() or [type(err).__name__])[0]
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _raise_io_error(err: Exception, doing: str) -> None:

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import shutil
+import sys
 
 import jax
 import numpy as np
@@ -83,7 +84,8 @@ class MetricsLog:
     ``{out}/metrics.jsonl`` and writes its numbers as TensorBoard scalars to ``{out}/tensorboard``
     (``tensorboard``: true, false, or auto = when tensorboardX is installed). Other processes print
     only (prefixed with their index) so that one file holds the run. ``out=None`` prints only, leaving a
-    run's files alone (``train.py --stage export``)."""
+    run's files alone (``train.py --stage export``). A record ``{"event": "warning", "message": ...}`` is
+    printed as one ``warning: ...`` line on stderr instead."""
 
     def __init__(self, out: str | None, tensorboard: bool | str = "auto", echo: bool = True):
         self.echo, self.metrics, self.writer, self._open_writer = echo, None, None, None
@@ -106,7 +108,10 @@ class MetricsLog:
 
     def __call__(self, record: dict) -> None:
         line = json.dumps(record)
-        if self.echo:
+        if record.get("event") == "warning":  # for people: one line on stderr (and the record in the file)
+            if self.process == 0:
+                print(f"warning: {record['message']}", file=sys.stderr, flush=True)
+        elif self.echo:
             print(line if self.process == 0 else f"[process {self.process}] {line}", flush=True)
         if self.metrics is None:
             return

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from retrace_jax.errors import ConfigError
+from retrace_jax.errors import CheckpointError, ConfigError
 from retrace_jax.io.checkpoints import load_drafter
 from retrace_jax.models.draft_vocab import coverage, frequent_tokens, token_counts
 from retrace_jax.models.drafter import (
@@ -159,6 +159,36 @@ def check_resume(ckpts: Checkpoints, step: int, settings: dict, out: str) -> Non
                                  f"resume needs the same ones: restore them, or train into a new out directory")
 
 
+def restore_newest_readable(ckpts: Checkpoints, drafter_state, opt_state, settings: dict, out: str, log):
+    """``(step, drafter_state, opt_state)`` of the newest checkpoint that restores. Newer ones that do not
+    (a truncated or lost file) are set aside as ``STEP.unreadable`` with a warning, once an older one has
+    restored: a failure that every checkpoint shares (too little memory, say) moves nothing. None
+    readable is a ``CheckpointError`` naming the directory. Every process calls this; a checkpoint that
+    fails on any process counts as unreadable on all."""
+    failures: list[tuple[int, str]] = []
+    for step in ckpts.all_steps():
+        check_resume(ckpts, step, settings, out)
+        error = None
+        try:
+            new_drafter, new_opt, _ = ckpts.restore(step, drafter_state, opt_state)
+        except CheckpointError as err:
+            error = str(err)
+        if agree_any(error is not None):
+            failures.append((step, error or f"checkpoint {step} in {ckpts.directory} cannot be read on another "
+                                            f"process"))
+            continue
+        for bad, message in failures:
+            moved = ckpts.set_aside(bad)
+            log({"event": "warning", "message": f"{message}; resuming from step {step}, the newest readable one; "
+                                                f"it is moved to {moved}"})
+        return step, new_drafter, new_opt
+    if failures:
+        listed = "; ".join(message.replace(f" in {ckpts.directory}", "") for _, message in failures)
+        raise CheckpointError(f"no checkpoint in {ckpts.directory} can be read ({listed}); move them away to "
+                              f"train from the start")
+    return 0, drafter_state, opt_state
+
+
 def global_batch(data: SequenceData, step: int, batch_size: int, seed: int, mesh, features=None):
     """The arrays of batch ``step``, sharded over the data axes; each process fills only its own rows."""
     idx = data.indices(step, batch_size, seed)
@@ -282,7 +312,9 @@ def _run(cfg: TrainConfig, setup: _Setup, eval_ids, ckpts, start, log) -> dict:
         features = cached_features(target, drafter.cfg.target_layer_ids, data, t.batch_size, log, cfg.data_dir,
                                    cfg.target)
     if start:
-        drafter_state, opt_state, meta = ckpts.restore(start, drafter_state, opt_state)
+        start, drafter_state, opt_state = restore_newest_readable(ckpts, drafter_state, opt_state, settings, cfg.out,
+                                                                  log)
+    if start:
         log({"event": "resumed", "step": start, "processes": jax.process_count()})
     stop = _Stop()
     previous = signal.signal(signal.SIGTERM, stop) if threading.current_thread() is threading.main_thread() else None

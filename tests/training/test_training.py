@@ -99,6 +99,45 @@ def test_resume_repeats_the_uninterrupted_run(workspace, dflash_run):
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
+def _truncate_largest_file(directory):
+    largest = max((os.path.join(d, f) for d, _, files in os.walk(directory) for f in files), key=os.path.getsize)
+    with open(largest, "r+b") as f:
+        f.truncate(os.path.getsize(largest) // 2)
+
+
+def test_an_unreadable_newest_checkpoint_is_set_aside_and_the_run_resumes_exactly(workspace, dflash_run, tmp_path,
+                                                                                 capsys):
+    """One truncated file in the newest Orbax checkpoint: the rerun warns, resumes from the one before and
+    repeats the uninterrupted run; with no readable checkpoint it is one error line naming the directory."""
+    import shutil
+
+    _, config = workspace
+    out = tmp_path / "corrupt"
+    shutil.copytree(os.path.join(dflash_run[0], "checkpoints"), out / "checkpoints")
+    _truncate_largest_file(out / "checkpoints" / "40")
+    capsys.readouterr()
+    train.main(["--config", config, "--set", f"out={out}"])
+    err = capsys.readouterr().err
+    assert f"warning: checkpoint 40 in {out}/checkpoints cannot be read (" in err, err
+    assert f"resuming from step 20, the newest readable one; it is moved to {out}/checkpoints/40.unreadable" in err
+    assert "Traceback" not in err
+    assert sorted(os.listdir(out / "checkpoints")) == ["20", "40", "40.unreadable"]  # and the run saved 40 again
+    assert [r["step"] for r in _records(str(out)) if r.get("event") == "resumed"] == [20]
+    a, b = _tensors(dflash_run[0]), _tensors(str(out))
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    # nothing readable: one error line naming the directory, and nothing moved
+    for step in ("20", "40"):
+        _truncate_largest_file(out / "checkpoints" / step)
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={out}"])
+    assert message.startswith(f"error: no checkpoint in {out}/checkpoints can be read (checkpoint 40 cannot be "
+                              f"read ("), message
+    assert "; checkpoint 20 cannot be read (" in message and "move them away to train from the start" in message
+    assert sorted(os.listdir(out / "checkpoints")) == ["20", "40", "40.unreadable"]
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={out}", "--stage", "export"])
+    assert message.startswith(f"error: checkpoint 40 in {out}/checkpoints cannot be read ("), message
+
+
 def test_retrace_from_the_dflash_checkpoint(workspace, dflash_run):
     root, config = workspace
     out = str(root / "retrace")
