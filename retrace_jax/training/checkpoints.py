@@ -28,6 +28,7 @@ import orbax.checkpoint as ocp
 from retrace_jax.errors import CheckpointError
 from retrace_jax.io.atomic import write_error
 from retrace_jax.parallel.distributed import agree_any, barrier
+from retrace_jax.training.data import settings_differences  # noqa: F401 -- still importable from here
 
 
 class Checkpoints:
@@ -188,10 +189,3 @@ def _raise_io_error(err: Exception, doing: str) -> None:
 
 def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
-
-
-def settings_differences(saved: dict, now: dict) -> dict:
-    """``{key: (saved, now)}`` for the settings present in both that differ (JSON-normalised, so a
-    tuple equals the list it was saved as)."""
-    norm = lambda v: json.loads(json.dumps(v))  # noqa: E731
-    return {k: (saved[k], v) for k, v in now.items() if k in saved and norm(saved[k]) != norm(v)}

@@ -36,12 +36,12 @@ from retrace_jax.models.retrace import ReTraceConfig
 from retrace_jax.parallel.distributed import agree_any, initialize
 from retrace_jax.parallel.placement import shard_model
 from retrace_jax.parallel.sharding import batch_sharding, make_mesh
-from retrace_jax.training.checkpoints import Checkpoints, settings_differences
+from retrace_jax.training.checkpoints import Checkpoints
 from retrace_jax.training.config import TrainConfig, as_config
-from retrace_jax.training.data import SequenceData
+from retrace_jax.training.data import SequenceData, describe_differences, settings_differences
 from retrace_jax.training.evaluate import cached_features, evaluate, export_drafter
 from retrace_jax.training.lock import run_lock
-from retrace_jax.training.prepare import build_target
+from retrace_jax.training.prepare import build_target, check_prepared
 from retrace_jax.training.retrace_loss import loss_weights
 from retrace_jax.training.step import StepOptions, adamw, init_opt_state, make_train_step
 
@@ -154,9 +154,8 @@ def check_resume(ckpts: Checkpoints, step: int, settings: dict, out: str) -> Non
         saved = {**saved, "rounds": 2}
     diff = settings_differences(saved, settings)
     if diff:
-        listed = "; ".join(f"{k}: {a!r} then, {b!r} now" for k, a, b in ((k, *v) for k, v in diff.items()))
-        raise ConfigError(f"{out}/checkpoints/{step} was written with other settings ({listed}); an exact "
-                                 f"resume needs the same ones: restore them, or train into a new out directory")
+        raise ConfigError(f"{out}/checkpoints/{step} was written with other settings ({describe_differences(diff)}); "
+                          f"an exact resume needs the same ones: restore them, or train into a new out directory")
 
 
 def restore_newest_readable(ckpts: Checkpoints, drafter_state, opt_state, settings: dict, out: str, log):
@@ -234,6 +233,7 @@ def _setup(cfg: TrainConfig, log) -> _Setup:
     if t.feature_cache and jax.process_count() > 1:
         raise ConfigError("train.feature_cache serves single-process runs; with several processes the "
                                  "features are computed in the step")
+    check_prepared(cfg, log)  # data made otherwise is refused before the target loads
     target, _ = build_target(cfg, mesh)
     data = SequenceData(cfg.data_dir, t.seq_len)
     drafter = build_drafter(cfg, target, mesh, data, log)

@@ -4,6 +4,7 @@ decoding, for DFlash and then ReTrace; resumable data preparation; clear errors 
 import json
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from retrace_jax.training.data import (
     prepare_shards,
     read_prompts,
 )
-from tests.helpers import cli_error, make_hf_model, save_hf_model, save_word_tokenizer
+from tests.helpers import cli_error, edit_config, make_hf_model, save_hf_model, save_word_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPT_LINES = [
@@ -109,7 +110,6 @@ def test_an_unreadable_newest_checkpoint_is_set_aside_and_the_run_resumes_exactl
                                                                                  capsys):
     """One truncated file in the newest Orbax checkpoint: the rerun warns, resumes from the one before and
     repeats the uninterrupted run; with no readable checkpoint it is one error line naming the directory."""
-    import shutil
 
     _, config = workspace
     out = tmp_path / "corrupt"
@@ -376,6 +376,72 @@ def test_sigterm_saves_a_checkpoint_and_exits_143_then_the_rerun_finishes(worksp
     summary = train.main(args)
     assert summary["step"] == 6 and os.path.isdir(summary["drafter"])
     assert [r["step"] for r in _records(str(out)) if r.get("event") == "resumed"] == [3]
+
+
+def _data_state(directory):
+    return {name: (directory / name).read_bytes() for name in sorted(os.listdir(directory))
+            if name.endswith((".json", ".npz"))}
+
+
+def test_prepared_data_of_other_settings_is_refused_by_every_stage(workspace, dflash_run, tmp_path, capsys):
+    """Finished data in data.dir and a configuration that would have made other data: every stage refuses,
+    naming what differs, and changes nothing (train.py --stage all used to train on the old data)."""
+    root, config = workspace
+    other = tmp_path / "other.jsonl"
+    other.write_text("\n".join(json.dumps(r) for r in PROMPT_LINES[::-1]) + "\n")
+    before = _data_state(root / "data")
+    changes = ["--set", "data.max_new_tokens=16", "--set", "data.temperature=0.7", "--set", f"data.prompts={other}"]
+    for stage in ("all", "train", "prepare"):
+        message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={tmp_path}/{stage}", *changes,
+                                                "--stage", stage])
+        assert message.startswith(f"error: {root}/data holds data prepared with other settings ("), message
+        for part in ("max_new_tokens: 32 then, 16 now", "temperature: 0.0 then, 0.7 now",
+                     f"source: '{root}/prompts.jsonl' then, '{other}' now", "source_sha256: '"):
+            assert part in message, (stage, message)
+        assert f"use a new out directory (or data.dir), or delete {root}/data to prepare it again" in message
+        assert not os.path.exists(tmp_path / stage / "checkpoints")
+    assert _data_state(root / "data") == before
+
+
+def test_prepared_data_of_another_target_is_refused(workspace, dflash_run, tmp_path, capsys):
+    root, config = workspace
+    target = yaml.safe_load(open(config))["target"]
+    before = _data_state(root / "data")
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={tmp_path}/a", "--set",
+                                            "target_dtype=bfloat16"])
+    assert message.startswith(f"error: {root}/data was prepared with another target: {target} (float32, "
+                              f"config.json sha256 "), message
+    assert f") then, {target} (bfloat16, config.json sha256 " in message and "delete" in message, message
+    other = tmp_path / "other_target"
+    shutil.copytree(target, other)
+    edit_config(str(other), lambda c: c.update(rms_norm_eps=1e-5))  # another model of the same shape
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={tmp_path}/b", "--set",
+                                            f"target={other}", "--stage", "prepare"])
+    assert f"was prepared with another target: {target} (float32" in message and f"then, {other} (float32" in message
+    assert _data_state(root / "data") == before
+
+
+def test_data_of_an_earlier_release_is_used_with_a_warning(workspace, dflash_run, tmp_path):
+    """A manifest without the target and the later settings (an earlier release's) is still accepted: what
+    it records is checked, what it lacks is named in a warning."""
+    from retrace_jax.training.prepare import check_prepared
+
+    root, config = workspace
+    shutil.copytree(root / "data", tmp_path / "data")
+    manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
+    old = ("num_prompts", "shard_size", "max_prompt_len", "max_new_tokens", "temperature", "source")
+    manifest = {"settings": {k: manifest["settings"][k] for k in old}, "done": manifest["done"]}
+    (tmp_path / "data" / "manifest.json").write_text(json.dumps(manifest))
+    records = []
+    cfg = load_config(config, [f"data.dir={tmp_path}/data"])
+    check_prepared(cfg, records.append)
+    assert [r["event"] for r in records] == ["warning"]
+    assert records[0]["message"] == (
+        f"{tmp_path}/data/manifest.json does not record the target, source_sha256, requested_prompts, "
+        f"eval_prompts, drop_long_prompts, prompt_len, thinking, seed (an earlier release wrote it): they are "
+        f"not checked; delete {tmp_path}/data to prepare it again if they may differ")
+    with pytest.raises(DataError, match=r"max_new_tokens: 32 then, 16 now"):  # what it records still counts
+        check_prepared(load_config(config, [f"data.dir={tmp_path}/data", "data.max_new_tokens=16"]), records.append)
 
 
 def test_feature_cache_gives_the_same_training(workspace, dflash_run):
