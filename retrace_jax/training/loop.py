@@ -251,9 +251,9 @@ def _trainable(cfg: TrainConfig, drafter, mesh):
 def train(cfg, log=print) -> dict:
     """Runs (or resumes) training; returns a summary. Exports the drafter when the run completes; a run
     that stops before (SIGTERM, ``train.stop_after``) saves a checkpoint and says why in
-    ``summary["stopped"]`` ("SIGTERM" or "stop_after"). With
-    several processes every process calls this with the same configuration. Holds the lock on
-    ``cfg.out`` (:mod:`retrace_jax.training.lock`): another run there is refused."""
+    ``summary["stopped"]`` ("SIGTERM" or "stop_after"). With several processes every process calls this
+    with the same configuration. Holds the lock on ``cfg.out`` (:mod:`retrace_jax.training.lock`):
+    another run there is refused."""
     cfg = as_config(cfg)
     initialize(cfg.train.distributed)  # before the lock, which process 0 takes
     with run_lock(cfg.out):
