@@ -405,7 +405,7 @@ def test_prepared_data_of_other_settings_is_refused_by_every_stage(workspace, df
 
 def test_prepared_data_of_another_target_is_refused(workspace, dflash_run, tmp_path, capsys):
     root, config = workspace
-    target = yaml.safe_load(open(config))["target"]
+    target = load_config(config).target
     before = _data_state(root / "data")
     message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={tmp_path}/a", "--set",
                                             "target_dtype=bfloat16"])
