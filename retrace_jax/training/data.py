@@ -251,9 +251,12 @@ def check_manifest(out_dir: str, settings: PrepareSettings, target: dict | None 
     if diff:
         raise DataError(f"{out_dir} holds data prepared with other settings ({describe_differences(diff)}); {how}")
     saved = existing.get("target")
-    if target is not None and saved is not None and settings_differences(saved, target):
+    diff = settings_differences(saved, target) if target is not None and saved is not None else {}
+    if diff:
+        moved = (f"; if it is the same model moved, set \"path\" in {manifest_path} to {target['path']!r}"
+                 if list(diff) == ["path"] else "")
         raise DataError(f"{out_dir} was prepared with another target: {_describe_target(saved)} then, "
-                        f"{_describe_target(target)} now; {how}")
+                        f"{_describe_target(target)} now; {how}{moved}")
     return existing
 
 

@@ -103,8 +103,9 @@ def data_settings(cfg: TrainConfig, num_prompts: int | None = None) -> PrepareSe
 
 def target_identity(cfg: TrainConfig) -> dict:
     """The target that prepared data comes from, as its manifest records it: the directory ("tiny" for
-    the tiny random target), a digest of its ``config.json`` (a checkpoint moved elsewhere keeps it; one
-    of another size or family does not) and ``target_dtype`` (bfloat16 responses differ from float32's)."""
+    the tiny random target), a digest of its ``config.json`` (another size or family) and
+    ``target_dtype`` (bfloat16 responses differ from float32's). Another directory is another target
+    too: a model fine-tuned from the same base has the same ``config.json``."""
     hf = TINY_QWEN3.to_hf() if cfg.target == "tiny" else read_config_json(cfg.target)
     digest = hashlib.sha256(json.dumps(hf, sort_keys=True).encode()).hexdigest()[:16]
     return {"path": "tiny" if cfg.target == "tiny" else os.path.abspath(cfg.target), "config_sha256": digest,

@@ -418,6 +418,14 @@ def test_prepared_data_of_another_target_is_refused(workspace, dflash_run, tmp_p
     message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={tmp_path}/b", "--set",
                                             f"target={other}", "--stage", "prepare"])
     assert f"was prepared with another target: {target} (float32" in message and f"then, {other} (float32" in message
+    assert "same model moved" not in message
+    moved = tmp_path / "moved_target"
+    shutil.copytree(target, moved)
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={tmp_path}/c", "--set",
+                                            f"target={moved}"])
+    assert f"then, {moved} (float32" in message, message
+    assert message.endswith(f"if it is the same model moved, set \"path\" in {root}/data/manifest.json to "
+                            f"'{moved}'"), message
     assert _data_state(root / "data") == before
 
 
