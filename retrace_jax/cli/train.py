@@ -19,6 +19,8 @@ Several processes (one per host) run the same command; see docs/training.md. On 
 
 Errors (a bad configuration, a missing file, a diverged run) print one ``error: ...`` line and exit
 with status 1; ``--traceback`` (or ``RETRACE_JAX_TRACEBACK=1``, as for decode.py) shows the traceback.
+A run stopped by SIGTERM (a preempting scheduler) saves a checkpoint and exits with status 143 (128 + 15);
+the same command resumes it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import sys
 
 from retrace_jax.cli import TRAIN_ERRORS, run_main
 
@@ -60,6 +64,7 @@ def run(args):
     from retrace_jax.parallel.distributed import initialize
     from retrace_jax.training.config import load_config
     from retrace_jax.training.evaluate import MetricsLog
+    from retrace_jax.training.lock import run_lock
     from retrace_jax.training.loop import export_checkpoint, train
     from retrace_jax.training.preflight import preflight
     from retrace_jax.training.prepare import prepare
@@ -70,16 +75,23 @@ def run(args):
     enable_compilation_cache()  # a rerun (e.g. a resume) loads its programs instead of compiling them
     if args.stage == "export":  # prints only: the run's own log files stay the run's
         return export_checkpoint(cfg, args.step, MetricsLog(None))
-    log = MetricsLog(cfg.out, cfg.train.tensorboard)
-    try:
-        if args.stage in ("all", "prepare"):
-            manifest = os.path.join(cfg.data_dir, "manifest.json")
-            if args.stage == "prepare" or not os.path.exists(manifest) or _unfinished(manifest):
-                prepare(cfg, log)
-        if args.stage in ("all", "train"):
-            return train(cfg, log)
-    finally:
-        log.close()
+    with run_lock(cfg.out):  # one run at a time in OUT, refused before anything is written
+        log = MetricsLog(cfg.out, cfg.train.tensorboard)
+        try:
+            if args.stage in ("all", "prepare"):
+                manifest = os.path.join(cfg.data_dir, "manifest.json")
+                if args.stage == "prepare" or not os.path.exists(manifest) or _unfinished(manifest):
+                    prepare(cfg, log)
+            if args.stage in ("all", "train"):
+                summary = train(cfg, log)
+                if summary.get("stopped") == "SIGTERM":  # preempted: the job must not look finished
+                    print(f"stopped by SIGTERM at step {summary['step']} of {cfg.train.steps} (checkpoint saved in "
+                          f"{os.path.join(cfg.out, 'checkpoints')}); rerun the same command to resume",
+                          file=sys.stderr, flush=True)
+                    raise SystemExit(128 + signal.SIGTERM)
+                return summary
+        finally:
+            log.close()
 
 
 def _unfinished(manifest_path: str) -> bool:

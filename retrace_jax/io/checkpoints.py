@@ -15,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from retrace_jax.errors import CheckpointError, ConfigError
-from retrace_jax.io.atomic import default_dir_mode, replace_directory
+from retrace_jax.io.atomic import default_dir_mode, read_directory, replace_directory, write_error
 from retrace_jax.io.safetensors import SINGLE_FILE, TensorReader, strip_prefix
 from retrace_jax.io.weights import (
     WeightSpec,
@@ -57,8 +57,13 @@ def abstract_module(factory):
 def load_target(path: str, dtype=None, *, mesh: Mesh | None = None) -> TargetModel:
     """Loads a Qwen3 / Qwen2 / Llama checkpoint from a Hugging Face directory (sharded over ``mesh``
     by the logical-axis rules when one is given). ``dtype``: "float32", "bfloat16" or None (bfloat16 on
-    GPU and TPU, float32 on CPU)."""
+    GPU and TPU, float32 on CPU). Every file comes from one save, even while another one replaces it
+    (:func:`~retrace_jax.io.atomic.read_directory`)."""
     dtype = resolve_dtype(dtype)
+    return read_directory(path, lambda directory: _load_target(directory, dtype, mesh))
+
+
+def _load_target(path: str, dtype, mesh: Mesh | None) -> TargetModel:
     cfg = read_config(ModelConfig, path)
     check_divisible("target", cfg.num_heads, cfg.num_kv_heads, mesh)
     reader = TensorReader(path)
@@ -74,9 +79,15 @@ def load_drafter(path: str, target: TargetModel, dtype=None, *, retrace: bool | 
     A checkpoint whose config has ``retrace_config`` loads as a ReTrace drafter. ``retrace=True`` turns
     a plain DFlash checkpoint into a ReTrace drafter whose new module starts at zero (``W_v = 0``, so it
     drafts exactly as before; a ``ReTraceConfig`` chooses its options); ``retrace=False`` loads only the
-    DFlash part of a ReTrace checkpoint. ``dtype`` defaults to the target's.
+    DFlash part of a ReTrace checkpoint. ``dtype`` defaults to the target's. Every file comes from one
+    save, even while another one replaces it (:func:`~retrace_jax.io.atomic.read_directory`).
     """
     dtype = resolve_dtype(target.dtype if dtype is None else dtype)
+    return read_directory(path, lambda directory: _load_drafter(directory, target, dtype, retrace, seed, mesh))
+
+
+def _load_drafter(path: str, target: TargetModel, dtype, retrace: bool | ReTraceConfig | None, seed: int,
+                  mesh: Mesh | None) -> DFlashDrafter:
     stored = read_config(DrafterConfig, path)
     cfg = stored
     if isinstance(retrace, ReTraceConfig) and stored.retrace not in (None, retrace):
@@ -139,9 +150,10 @@ def save_drafter(drafter: DFlashDrafter, path: str, dtype=None) -> None:
     """Writes ``config.json`` and ``model.safetensors`` in the official DFlash layout; ``dtype``
     ("float32" or "bfloat16") stores the weights in that type (default: the drafter's own).
 
-    The checkpoint is written beside ``path`` and renamed into place
+    The checkpoint is written as a new version that ``path`` then links to
     (:func:`~retrace_jax.io.atomic.replace_directory`): a failure leaves an existing checkpoint as it was;
-    other files there (a tokenizer, a README) are kept, old weight files of any layout are not."""
+    other files there (a tokenizer, a README) are kept, old weight files of any layout are not. A failed
+    write (a full disk) is an ``OSError`` naming ``path`` and the cause."""
     extra = None
     if drafter.cfg.draft_vocab_size is not None:  # beside the official layout (retrace_jax/models/draft_vocab.py)
         ids = np.asarray(jax.device_get(drafter.draft_vocab.get_value()), np.int32)
@@ -166,13 +178,17 @@ def _save_checkpoint(module, hf: dict, specs: list[WeightSpec], path: str, dtype
     dtype = resolve_dtype(dtype if dtype is not None else module.dtype)
 
     def write(tmp: str) -> None:
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(dict(hf, torch_dtype=dtype.name), f, indent=2)
         tensors = {k: v.astype(dtype) for k, v in export_tensors(module, specs).items()}
-        save_file(tensors, os.path.join(tmp, SINGLE_FILE), metadata={"format": "pt"})
-        for file, file_tensors in {SINGLE_FILE: None, **(extra or {})}.items():
-            if file_tensors is not None:
-                save_file(file_tensors, os.path.join(tmp, file))
-            os.chmod(os.path.join(tmp, file), default_dir_mode() & 0o666)  # safetensors writes it private
+        try:
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(dict(hf, torch_dtype=dtype.name), f, indent=2)
+            save_file(tensors, os.path.join(tmp, SINGLE_FILE), metadata={"format": "pt"})
+            for file, file_tensors in {SINGLE_FILE: None, **(extra or {})}.items():
+                if file_tensors is not None:
+                    save_file(file_tensors, os.path.join(tmp, file))
+                os.chmod(os.path.join(tmp, file), default_dir_mode() & 0o666)  # safetensors writes it private
+        except (OSError, SafetensorError) as err:
+            raise write_error(err, f"{caller} could not write {path}") from err
 
     replace_directory(path, write, caller)
+

@@ -5,15 +5,30 @@ Each checkpoint also stores the run's settings (``meta``) as plain JSON. :meth:`
 reads them straight from the file, so a resume with other settings is refused before Orbax restores
 anything. With several processes every process calls ``save`` and ``restore`` (Orbax coordinates them;
 each writes and reads its own shards), and the directory must be one that all processes see.
+
+A checkpoint that would not fit in the free disk space is refused before Orbax writes any of it, and a
+write that fails anyway (the disk filled meanwhile) is reported as an ``OSError`` naming the checkpoint:
+Orbax itself reports it from background threads, later, as a ``ValueError`` with the errno in its text.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import gc
 import json
+import logging
 import os
+import shutil
+import sys
 
 import jax
 import orbax.checkpoint as ocp
+
+from retrace_jax.errors import CheckpointError
+from retrace_jax.io.atomic import write_error
+from retrace_jax.parallel.distributed import agree_any, barrier
+from retrace_jax.training.data import settings_differences  # noqa: F401 -- still importable from here
 
 
 class Checkpoints:
@@ -29,16 +44,63 @@ class Checkpoints:
                                                  create=not read_only, cleanup_tmp_directories=not read_only,
                                                  read_only=read_only),
         )
+        self._writing: int | None = None  # the step of the last save started (asynchronous saves end later)
+        self._quiet = _QuietWriteFailures(sys.unraisablehook)
+        logging.getLogger("absl").addFilter(self._quiet)
+        sys.unraisablehook = self._quiet.unraisable
 
     def latest_step(self) -> int | None:
         """The last finished checkpoint (one whose write was interrupted does not count)."""
         return self.manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        """The finished checkpoints, newest first."""
+        return sorted(self.manager.all_steps(), reverse=True)
+
+    def set_aside(self, step: int) -> str:
+        """Renames checkpoint ``step`` to ``STEP.unreadable`` (Orbax ignores the name, so the step can be
+        saved again); returns the new path. Every process calls this; process 0 renames."""
+        path = os.path.join(self.directory, str(step))
+        moved, n = path + ".unreadable", 1
+        while os.path.exists(moved):
+            n += 1
+            moved = f"{path}.unreadable-{n}"
+        barrier("retrace_jax.checkpoints.set_aside")  # every process chose the name before the rename
+        if jax.process_index() == 0:
+            os.rename(path, moved)
+        barrier("retrace_jax.checkpoints.set_aside.done")
+        self.manager.reload()
+        return moved
+
     def save(self, step: int, drafter_state, opt_state, meta: dict) -> None:
-        """Starts saving state after ``step`` steps (returns before the write finishes when async)."""
+        """Starts saving state after ``step`` steps (returns before the write finishes when async). Raises
+        ``OSError`` (ENOSPC) when the checkpoint would not fit in the free space, before anything is written
+        (every process raises together), and reports a failed earlier save first, as its own."""
+        self.wait()
         tree = {"params": drafter_state, "opt_state": opt_state}
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
-                                                        meta=ocp.args.JsonSave(dict(meta, step=step))), force=True)
+        # uncompressed (zstd saves little on weights), with room for Orbax's metadata and temporary files
+        needed = int(sum(x.nbytes for x in jax.tree.leaves(tree)) * 1.05) + 2**20
+        free = shutil.disk_usage(self.directory).free
+        if agree_any(free < needed):
+            err = OSError(f"no space left on device for checkpoint {step} in {self.directory}: it needs about "
+                          f"{_size(needed)}, {_size(free)} are free")
+            err.errno = errno.ENOSPC
+            raise err
+        self._writing = step
+        try:
+            self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
+                                                            meta=ocp.args.JsonSave(dict(meta, step=step))), force=True)
+        except Exception as err:
+            _raise_io_error(err, f"checkpoint {step} in {self.directory} could not be written")
+            raise
+
+    def wait(self) -> None:
+        """Waits for the last save to finish; its failure to write is an ``OSError`` naming it."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as err:
+            _raise_io_error(err, f"checkpoint {self._writing} in {self.directory} could not be written")
+            raise
 
     def read_meta(self, step: int) -> dict:
         """The settings saved with checkpoint ``step``, read without Orbax (nothing is restored)."""
@@ -50,20 +112,80 @@ class Checkpoints:
             return {}  # a checkpoint without readable settings: the restore itself checks the tree
 
     def restore(self, step: int, drafter_state, opt_state):
-        """Restores onto the structure, dtypes and shardings of the given (freshly built) states."""
+        """Restores onto the structure, dtypes and shardings of the given (freshly built) states. A
+        checkpoint that cannot be read (a truncated or lost file) is a ``CheckpointError`` naming it and
+        the cause (Orbax raises bare ``Exception``s, with a TensorStore spec in the message)."""
         tree = {"params": drafter_state, "opt_state": opt_state}
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
-        r = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                               meta=ocp.args.JsonRestore()))
-        return r.state["params"], r.state["opt_state"], r.meta
+        try:
+            r = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                                   meta=ocp.args.JsonRestore()))
+        except Exception as err:  # noqa: BLE001 -- any failure to read it
+            reason = _reason(err)
+        else:
+            return r.state["params"], r.state["opt_state"], r.meta
+        gc.collect()  # Orbax's abandoned reads end now (the traceback held them), while their echoes are silenced
+        raise CheckpointError(f"checkpoint {step} in {self.directory} cannot be read ({reason})")
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        try:
+            self.wait()
+        except BaseException:
+            with contextlib.suppress(Exception):  # Orbax's close waits again and raises the same failure
+                self.manager.close()
+            raise
+        finally:
+            logging.getLogger("absl").removeFilter(self._quiet)
+            if sys.unraisablehook == self._quiet.unraisable:
+                sys.unraisablehook = self._quiet.previous
         self.manager.close()
 
 
-def settings_differences(saved: dict, now: dict) -> dict:
-    """``{key: (saved, now)}`` for the settings present in both that differ (JSON-normalised, so a
-    tuple equals the list it was saved as)."""
-    norm = lambda v: json.loads(json.dumps(v))  # noqa: E731
-    return {k: (saved[k], v) for k, v in now.items() if k in saved and norm(saved[k]) != norm(v)}
+class _QuietWriteFailures(logging.Filter):
+    """Silences the echoes of a failed write or read in Orbax's background threads, which the caller gets
+    as one ``OSError`` (:meth:`Checkpoints.wait`) or ``CheckpointError`` (:meth:`Checkpoints.restore`):
+    Orbax's error records of it (each with a traceback), TensorStore's callbacks that then find Orbax's
+    event loop closed, and Orbax's abandoned reads as they are collected (each an "unraisable" traceback)."""
+
+    def __init__(self, previous_hook):
+        super().__init__()
+        self.previous = previous_hook  # sys.unraisablehook before: everything else goes there
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        err = record.exc_info[1] if record.exc_info else None
+        while err is not None:
+            if "orbax" in record.pathname and write_error(err, "").errno is not None:
+                return False
+            err = err.__cause__ or err.__context__
+        return True
+
+    def unraisable(self, unraisable) -> None:
+        err, tb = unraisable.exc_value, unraisable.exc_traceback
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        closed_loop = (isinstance(err, RuntimeError) and str(err) == "Event loop is closed" and tb is not None
+                       and tb.tb_frame.f_code.co_name == "_check_closed")
+        # a read of a failed restore, abandoned by Orbax: the restore's CheckpointError reports the failure
+        abandoned = "/orbax/" in getattr(getattr(unraisable.object, "cr_code", None), "co_filename", "")
+        if not (closed_loop or abandoned):
+            self.previous(unraisable)
+
+
+def _reason(err: BaseException) -> str:
+    """The first line of the innermost cause of ``err`` (Orbax's own message goes on with a TensorStore spec)."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    text = (str(err).splitlines() or [type(err).__name__])[0]
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _raise_io_error(err: Exception, doing: str) -> None:
+    """Raises ``err`` as an ``OSError`` saying ``doing`` when it is a failed write (its text gives an
+    errno); returns otherwise."""
+    io = write_error(err, doing)
+    if io.errno is not None:
+        raise io from err
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"

@@ -2,8 +2,8 @@
 
 Each shard ``shard_NNNNN.npz`` holds a run of sequences (prompt + the target's response) as flat
 ``tokens`` / ``loss_mask`` (1 on response tokens) with ``offsets``; ``manifest.json`` records the
-settings and the shards finished, so an interrupted preparation resumes where it stopped and never
-rewrites a finished shard.
+settings, the target and the shards finished, so an interrupted preparation resumes where it stopped and
+never rewrites a finished shard, and data made otherwise is refused.
 
 Prompts are never cut: a prompt longer than ``max_prompt_len`` tokens is left out (:func:`drop_long`,
 which counts them) or, when the caller keeps every prompt, refused (:func:`check_prompt_lengths`). Cutting
@@ -13,16 +13,18 @@ truncated user turn and the drafter would be trained on that.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gzip
 import json
 import os
 import time
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from retrace_jax.errors import DataError
+from retrace_jax.io.atomic import write_error
 from retrace_jax.validation import short_repr
 
 MANIFEST = "manifest.json"
@@ -81,19 +83,22 @@ def first_user_turn(record: dict, where: str) -> list[dict]:
 
 def read_jsonl(path: str) -> Iterator[tuple[int, dict]]:
     """(line number, record) of each non-blank line of a JSONL file (gzip-compressed when its name ends in
-    ``.gz``); a line that is not JSON or not UTF-8 is a ``DataError`` naming the file and the line."""
+    ``.gz``); a line that is not JSON or not UTF-8 is a ``DataError`` naming the file and the line.
+
+    Lines are decoded one at a time: a text-mode file decodes a whole buffer ahead of the line it hands
+    out, so its error would name an earlier line and an offset into that buffer."""
     opener = gzip.open if path.endswith(".gz") else open
-    n = 0
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        yield n, json.loads(line)
-                    except json.JSONDecodeError as err:
-                        raise DataError(f"{path}:{n}: not valid JSON ({err.msg})") from None
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path}:{n + 1}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    with opener(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path}:{n}: not UTF-8 text ({err.reason} at byte {err.start} of the line)") from None
+            if line.strip():
+                try:
+                    yield n, json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{path}:{n}: not valid JSON ({err.msg})") from None
 
 
 def prompt_records(path: str) -> Iterator[tuple[int, dict, list[dict]]]:
@@ -153,14 +158,55 @@ def byte_encoder(vocab_size: int) -> Callable[[list[dict]], list[int]]:
 
 # ------------------------------------------------------------------------------------------ regeneration
 
+class _Unrecorded:
+    def __repr__(self) -> str:
+        return "UNRECORDED"
+
+
+UNRECORDED = _Unrecorded()  # a PrepareSettings field left out of the manifest (and so never compared)
+
+
 @dataclasses.dataclass(frozen=True)
 class PrepareSettings:
-    num_prompts: int
+    """What prepared data is made of, as its manifest records it (``settings``). ``num_prompts`` is the
+    number of training prompts kept, None before the prompts are encoded.
+
+    The fields after ``source`` came later (``training/prepare.py`` fills them from the configuration):
+    an earlier release's manifest lacks them, and a field left ``UNRECORDED`` is not written. A field
+    that a manifest does not record is not compared; :func:`unrecorded` names them."""
+
+    num_prompts: int | None
     shard_size: int
     max_prompt_len: int
     max_new_tokens: int
     temperature: float = 0.0
     source: str = ""
+    source_sha256: Any = UNRECORDED  # of the prompt file (None: random prompts)
+    requested_prompts: Any = UNRECORDED  # data.num_prompts (None: all)
+    eval_prompts: Any = UNRECORDED
+    drop_long_prompts: Any = UNRECORDED
+    prompt_len: Any = UNRECORDED  # random prompts only (None otherwise), as seed
+    thinking: Any = UNRECORDED
+    seed: Any = UNRECORDED
+
+    def record(self) -> dict:
+        """The manifest's ``settings``: every field but those left unrecorded."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {k: v for k, v in values.items() if v is not UNRECORDED}
+
+
+def settings_differences(saved: dict, now: dict) -> dict:
+    """``{key: (saved, now)}`` for the settings present in both that differ (JSON-normalised, so a
+    tuple equals the list it was saved as). Data manifests and training checkpoints compare with it."""
+    def norm(value):
+        return json.loads(json.dumps(value))
+
+    return {k: (saved[k], v) for k, v in now.items() if k in saved and norm(saved[k]) != norm(v)}
+
+
+def describe_differences(diff: dict) -> str:
+    """``key: saved then, now now; ...`` for :func:`settings_differences`."""
+    return "; ".join(f"{k}: {a!r} then, {b!r} now" for k, (a, b) in diff.items())
 
 
 def _shard_path(out_dir: str, i: int) -> str:
@@ -168,35 +214,75 @@ def _shard_path(out_dir: str, i: int) -> str:
 
 
 def _write_manifest(out_dir: str, manifest: dict) -> None:
-    path = os.path.join(out_dir, MANIFEST)
-    with open(path + ".tmp", "w") as f:
-        json.dump(manifest, f)
-    os.replace(path + ".tmp", path)
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(manifest, f)
+
+    _write_file(os.path.join(out_dir, MANIFEST), ".tmp", write)
 
 
-def check_manifest(out_dir: str, settings: PrepareSettings) -> dict | None:
-    """The manifest of ``out_dir`` (None when there is none yet), refused when made with other settings."""
+def _write_file(path: str, suffix: str, write: Callable[[str], None]) -> None:
+    """``write(path + suffix)``, then renamed to ``path`` (readers see the whole file or none). A failed
+    write (a full disk) removes the partial file and is an ``OSError`` naming ``path``."""
+    tmp = path + suffix
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise write_error(err, f"could not write {path}") from err
+
+
+def check_manifest(out_dir: str, settings: PrepareSettings, target: dict | None = None,
+                   ignore: tuple[str, ...] = ()) -> dict | None:
+    """The manifest of ``out_dir`` (None when there is none yet), refused (``DataError``, naming what
+    differs) when it was made with other settings or from another ``target`` (see
+    ``training/prepare.py``'s ``target_identity``). Settings in ``ignore``, and what the manifest does
+    not record, are not compared."""
     manifest_path = os.path.join(out_dir, MANIFEST)
     if not os.path.exists(manifest_path):
         return None
     with open(manifest_path) as f:
         existing = json.load(f)
-    if existing["settings"] != dataclasses.asdict(settings):
-        raise DataError(f"{out_dir} holds data prepared with other settings {existing['settings']}; "
-                        f"use a new output directory (nothing there was changed)")
+    how = f"use a new out directory (or data.dir), or delete {out_dir} to prepare it again (nothing there was changed)"
+    now = {k: v for k, v in settings.record().items() if k not in ignore}
+    diff = settings_differences(existing["settings"], now)
+    if diff:
+        raise DataError(f"{out_dir} holds data prepared with other settings ({describe_differences(diff)}); {how}")
+    saved = existing.get("target")
+    diff = settings_differences(saved, target) if target is not None and saved is not None else {}
+    if diff:
+        moved = (f"; if it is the same model moved, set \"path\" in {manifest_path} to {target['path']!r}"
+                 if list(diff) == ["path"] else "")
+        raise DataError(f"{out_dir} was prepared with another target: {_describe_target(saved)} then, "
+                        f"{_describe_target(target)} now; {how}{moved}")
     return existing
 
 
-def begin_manifest(out_dir: str, settings: PrepareSettings, create: bool = True) -> dict:
-    """The manifest of ``out_dir`` after checking that it was made with ``settings`` (written first when
-    absent and ``create``). With several processes, process 0 calls this before the others start."""
+def unrecorded(manifest: dict, settings: PrepareSettings, target: dict | None = None,
+               ignore: tuple[str, ...] = ()) -> list[str]:
+    """What ``check_manifest`` could not compare because ``manifest`` (an earlier release's) does not
+    record it."""
+    missing = ["the target"] if target is not None and "target" not in manifest else []
+    return missing + [k for k in settings.record() if k not in manifest["settings"] and k not in ignore]
+
+
+def _describe_target(target: dict) -> str:
+    return f"{target.get('path')} ({target.get('dtype')}, config.json sha256 {target.get('config_sha256')})"
+
+
+def begin_manifest(out_dir: str, settings: PrepareSettings, create: bool = True, target: dict | None = None) -> dict:
+    """The manifest of ``out_dir`` after checking that it was made with ``settings`` from ``target``
+    (written first when absent and ``create``). With several processes, process 0 calls this before the
+    others start."""
     os.makedirs(out_dir, exist_ok=True)
-    existing = check_manifest(out_dir, settings)
+    existing = check_manifest(out_dir, settings, target)
     if existing is not None:
         return existing
     if not create:
         raise DataError(f"{out_dir}: no {MANIFEST}; process 0 writes it before the others prepare")
-    manifest = {"settings": dataclasses.asdict(settings), "done": []}
+    manifest = {"settings": settings.record(), **({"target": target} if target is not None else {}), "done": []}
     _write_manifest(out_dir, manifest)
     return manifest
 
@@ -218,7 +304,7 @@ def finish_manifest(out_dir: str, num_shards: int) -> dict:
 
 def prepare_shards(out_dir: str, prompts_ids: Sequence[Sequence[int]], settings: PrepareSettings,
                    generate_fn: Callable[[list[list[int]], int], list[list[int]]], progress: bool = True,
-                   process_index: int = 0, process_count: int = 1) -> dict:
+                   process_index: int = 0, process_count: int = 1, target: dict | None = None) -> dict:
     """Regenerates responses for ``prompts_ids`` shard by shard into ``out_dir`` (resumable). Every
     prompt must fit in ``settings.max_prompt_len`` tokens (checked before anything is written).
 
@@ -228,11 +314,12 @@ def prepare_shards(out_dir: str, prompts_ids: Sequence[Sequence[int]], settings:
     With ``process_count > 1`` this process prepares only shards ``i`` with ``i % process_count ==
     process_index`` that are not finished yet; the manifest must exist (:func:`begin_manifest` by process
     0), and once all processes are done process 0 calls :func:`finish_manifest`. The shards do not
-    depend on how many processes made them."""
+    depend on how many processes made them. ``target`` (recorded in a new manifest, checked against an
+    existing one) says which target generates the responses."""
     from tqdm import tqdm
 
     check_prompt_lengths(prompts_ids, settings.max_prompt_len)
-    manifest = begin_manifest(out_dir, settings, create=process_count == 1)
+    manifest = begin_manifest(out_dir, settings, create=process_count == 1, target=target)
     num_shards = -(-len(prompts_ids) // settings.shard_size)
     done = set(finished_shards(out_dir, manifest, num_shards))
     mine = [i for i in range(num_shards) if i % process_count == process_index]
@@ -248,8 +335,8 @@ def prepare_shards(out_dir: str, prompts_ids: Sequence[Sequence[int]], settings:
         tokens = np.concatenate([np.asarray(p + r, np.int32) for p, r in seqs])
         mask = np.concatenate([np.r_[np.zeros(len(p), np.uint8), np.ones(len(r), np.uint8)] for p, r in seqs])
         path = _shard_path(out_dir, i)
-        np.savez(path + f".tmp{process_index}.npz", tokens=tokens, loss_mask=mask, offsets=offsets)
-        os.replace(path + f".tmp{process_index}.npz", path)
+        arrays = {"tokens": tokens, "loss_mask": mask, "offsets": offsets}
+        _write_file(path, f".tmp{process_index}.npz", lambda tmp, arrays=arrays: np.savez(tmp, **arrays))
         if process_count == 1:
             manifest["done"] = sorted(set(manifest["done"]) | {i})
             _write_manifest(out_dir, manifest)

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import shutil
+import sys
 
 import jax
 import numpy as np
@@ -15,6 +16,7 @@ from flax import nnx
 
 from retrace_jax.decoding.generation import generate
 from retrace_jax.errors import ConfigError
+from retrace_jax.io.atomic import write_error
 from retrace_jax.io.checkpoints import save_drafter
 from retrace_jax.parallel.distributed import barrier
 from retrace_jax.training.data import SequenceData
@@ -82,7 +84,8 @@ class MetricsLog:
     ``{out}/metrics.jsonl`` and writes its numbers as TensorBoard scalars to ``{out}/tensorboard``
     (``tensorboard``: true, false, or auto = when tensorboardX is installed). Other processes print
     only (prefixed with their index) so that one file holds the run. ``out=None`` prints only, leaving a
-    run's files alone (``train.py --stage export``)."""
+    run's files alone (``train.py --stage export``). A record ``{"event": "warning", "message": ...}`` is
+    printed as one ``warning: ...`` line on stderr instead."""
 
     def __init__(self, out: str | None, tensorboard: bool | str = "auto", echo: bool = True):
         self.echo, self.metrics, self.writer, self._open_writer = echo, None, None, None
@@ -105,12 +108,18 @@ class MetricsLog:
 
     def __call__(self, record: dict) -> None:
         line = json.dumps(record)
-        if self.echo:
+        if record.get("event") == "warning":  # for people: one line on stderr (and the record in the file)
+            if self.process == 0:
+                print(f"warning: {record['message']}", file=sys.stderr, flush=True)
+        elif self.echo:
             print(line if self.process == 0 else f"[process {self.process}] {line}", flush=True)
         if self.metrics is None:
             return
-        self.metrics.write(line + "\n")
-        self.metrics.flush()
+        try:
+            self.metrics.write(line + "\n")
+            self.metrics.flush()
+        except OSError as err:  # a full disk: the error names the file
+            raise write_error(err, f"could not write {self.metrics.name}") from err
         if self._open_writer is not None and "step" in record and record.get("event", "eval") == "eval":
             if self.writer is None:
                 self.writer = self._open_writer()
@@ -122,9 +131,14 @@ class MetricsLog:
             self.writer.flush()
 
     def close(self) -> None:
-        if self.metrics is not None:
-            self.metrics.close()
-            self.metrics = None
-        if self.writer is not None:
-            self.writer.close()
-        self.writer, self._open_writer = None, None
+        writer, self.writer, self._open_writer = self.writer, None, None
+        metrics, self.metrics = self.metrics, None
+        try:
+            if writer is not None:
+                writer.close()
+        finally:
+            if metrics is not None:
+                try:
+                    metrics.close()
+                except OSError as err:
+                    raise write_error(err, f"could not write {metrics.name}") from err

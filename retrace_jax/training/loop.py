@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from retrace_jax.errors import ConfigError
+from retrace_jax.errors import CheckpointError, ConfigError
 from retrace_jax.io.checkpoints import load_drafter
 from retrace_jax.models.draft_vocab import coverage, frequent_tokens, token_counts
 from retrace_jax.models.drafter import (
@@ -36,11 +36,12 @@ from retrace_jax.models.retrace import ReTraceConfig
 from retrace_jax.parallel.distributed import agree_any, initialize
 from retrace_jax.parallel.placement import shard_model
 from retrace_jax.parallel.sharding import batch_sharding, make_mesh
-from retrace_jax.training.checkpoints import Checkpoints, settings_differences
+from retrace_jax.training.checkpoints import Checkpoints
 from retrace_jax.training.config import TrainConfig, as_config
-from retrace_jax.training.data import SequenceData
+from retrace_jax.training.data import SequenceData, describe_differences, settings_differences
 from retrace_jax.training.evaluate import cached_features, evaluate, export_drafter
-from retrace_jax.training.prepare import build_target
+from retrace_jax.training.lock import run_lock
+from retrace_jax.training.prepare import build_target, check_prepared
 from retrace_jax.training.retrace_loss import loss_weights
 from retrace_jax.training.step import StepOptions, adamw, init_opt_state, make_train_step
 
@@ -153,9 +154,38 @@ def check_resume(ckpts: Checkpoints, step: int, settings: dict, out: str) -> Non
         saved = {**saved, "rounds": 2}
     diff = settings_differences(saved, settings)
     if diff:
-        listed = "; ".join(f"{k}: {a!r} then, {b!r} now" for k, a, b in ((k, *v) for k, v in diff.items()))
-        raise ConfigError(f"{out}/checkpoints/{step} was written with other settings ({listed}); an exact "
-                                 f"resume needs the same ones: restore them, or train into a new out directory")
+        raise ConfigError(f"{out}/checkpoints/{step} was written with other settings ({describe_differences(diff)}); "
+                          f"an exact resume needs the same ones: restore them, or train into a new out directory")
+
+
+def restore_newest_readable(ckpts: Checkpoints, drafter_state, opt_state, settings: dict, out: str, log):
+    """``(step, drafter_state, opt_state)`` of the newest checkpoint that restores. Newer ones that do not
+    (a truncated or lost file) are set aside as ``STEP.unreadable`` with a warning, once an older one has
+    restored: a failure that every checkpoint shares (too little memory, say) moves nothing. None
+    readable is a ``CheckpointError`` naming the directory. Every process calls this; a checkpoint that
+    fails on any process counts as unreadable on all."""
+    failures: list[tuple[int, str]] = []
+    for step in ckpts.all_steps():
+        check_resume(ckpts, step, settings, out)
+        error = None
+        try:
+            new_drafter, new_opt, _ = ckpts.restore(step, drafter_state, opt_state)
+        except CheckpointError as err:
+            error = str(err)
+        if agree_any(error is not None):
+            failures.append((step, error or f"checkpoint {step} in {ckpts.directory} cannot be read on another "
+                                            f"process"))
+            continue
+        for bad, message in failures:
+            moved = ckpts.set_aside(bad)
+            log({"event": "warning", "message": f"{message}; resuming from step {step}, the newest readable one; "
+                                                f"it is moved to {moved}"})
+        return step, new_drafter, new_opt
+    if failures:
+        listed = "; ".join(message.replace(f" in {ckpts.directory}", "") for _, message in failures)
+        raise CheckpointError(f"no checkpoint in {ckpts.directory} can be read ({listed}); move them away to "
+                              f"train from the start")
+    return 0, drafter_state, opt_state
 
 
 def global_batch(data: SequenceData, step: int, batch_size: int, seed: int, mesh, features=None):
@@ -203,6 +233,7 @@ def _setup(cfg: TrainConfig, log) -> _Setup:
     if t.feature_cache and jax.process_count() > 1:
         raise ConfigError("train.feature_cache serves single-process runs; with several processes the "
                                  "features are computed in the step")
+    check_prepared(cfg, log)  # data made otherwise is refused before the target loads
     target, _ = build_target(cfg, mesh)
     data = SequenceData(cfg.data_dir, t.seq_len)
     drafter = build_drafter(cfg, target, mesh, data, log)
@@ -218,20 +249,25 @@ def _trainable(cfg: TrainConfig, drafter, mesh):
 
 
 def train(cfg, log=print) -> dict:
-    """Runs (or resumes) training; returns a summary. Exports the drafter when the run completes. With
-    several processes every process calls this with the same configuration."""
+    """Runs (or resumes) training; returns a summary. Exports the drafter when the run completes; a run
+    that stops before (SIGTERM, ``train.stop_after``) saves a checkpoint and says why in
+    ``summary["stopped"]`` ("SIGTERM" or "stop_after"). With several processes every process calls this
+    with the same configuration. Holds the lock on ``cfg.out`` (:mod:`retrace_jax.training.lock`):
+    another run there is refused."""
     cfg = as_config(cfg)
-    s = _setup(cfg, log)
-    with open(os.path.join(cfg.data_dir, "eval_prompts.json")) as f:
-        eval_ids = json.load(f)
-    ckpts = Checkpoints(os.path.join(cfg.out, "checkpoints"), keep=cfg.train.keep_checkpoints)
-    try:
-        start = ckpts.latest_step() or 0
-        if start:
-            check_resume(ckpts, start, s.settings, cfg.out)
-        return _run(cfg, s, eval_ids, ckpts, start, log)
-    finally:
-        ckpts.close()
+    initialize(cfg.train.distributed)  # before the lock, which process 0 takes
+    with run_lock(cfg.out):
+        s = _setup(cfg, log)
+        with open(os.path.join(cfg.data_dir, "eval_prompts.json")) as f:
+            eval_ids = json.load(f)
+        ckpts = Checkpoints(os.path.join(cfg.out, "checkpoints"), keep=cfg.train.keep_checkpoints)
+        try:
+            start = ckpts.latest_step() or 0
+            if start:
+                check_resume(ckpts, start, s.settings, cfg.out)
+            return _run(cfg, s, eval_ids, ckpts, start, log)
+        finally:
+            ckpts.close()
 
 
 def export_checkpoint(cfg, step: int | None = None, log=print) -> str:
@@ -276,7 +312,9 @@ def _run(cfg: TrainConfig, setup: _Setup, eval_ids, ckpts, start, log) -> dict:
         features = cached_features(target, drafter.cfg.target_layer_ids, data, t.batch_size, log, cfg.data_dir,
                                    cfg.target)
     if start:
-        drafter_state, opt_state, meta = ckpts.restore(start, drafter_state, opt_state)
+        start, drafter_state, opt_state = restore_newest_readable(ckpts, drafter_state, opt_state, settings, cfg.out,
+                                                                  log)
+    if start:
         log({"event": "resumed", "step": start, "processes": jax.process_count()})
     stop = _Stop()
     previous = signal.signal(signal.SIGTERM, stop) if threading.current_thread() is threading.main_thread() else None
@@ -330,7 +368,10 @@ def _run(cfg: TrainConfig, setup: _Setup, eval_ids, ckpts, start, log) -> dict:
                 ckpts.save(step, drafter_state, opt_state, settings)
                 last_saved = step
             if stopping:
-                log({"event": "stopped", "step": step, "reason": "SIGTERM" if stop_now else "stop_after"})
+                reason = "SIGTERM" if stop_now else "stop_after"
+                log({"event": "stopped", "step": step, "reason": reason})
+                if step < t.steps:
+                    summary["stopped"] = reason
                 break
         check_finite()
     finally:

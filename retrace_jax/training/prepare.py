@@ -3,10 +3,15 @@
 With several processes each one regenerates only its share of the shards (shard ``i`` goes to process
 ``i % processes``) on its own devices; process 0 writes the manifest before and after. The shards are
 the same whatever the number of processes, and an interrupted preparation resumes where it stopped.
+
+The manifest records what the data is made of (:func:`data_settings`) and from which target
+(:func:`target_identity`); :func:`check_prepared` refuses data made otherwise, at every stage.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import time
@@ -16,11 +21,14 @@ import numpy as np
 
 from retrace_jax.decoding.generation import generate
 from retrace_jax.io.checkpoints import load_drafter, load_target
-from retrace_jax.models.tiny import tiny_target
+from retrace_jax.models.config import read_config_json
+from retrace_jax.models.tiny import TINY_QWEN3, tiny_target
 from retrace_jax.parallel.distributed import barrier
 from retrace_jax.parallel.placement import shard_model
 from retrace_jax.training.config import TrainConfig, as_config
 from retrace_jax.training.data import (
+    MANIFEST,
+    UNRECORDED,
     DataError,
     PrepareSettings,
     begin_manifest,
@@ -34,7 +42,9 @@ from retrace_jax.training.data import (
     load_tokenizer,
     prepare_shards,
     read_prompts,
+    unrecorded,
 )
+from retrace_jax.training.lock import run_lock
 
 
 def data_dir(cfg) -> str:
@@ -70,10 +80,70 @@ def prompt_ids(cfg: TrainConfig, vocab: int, tokenizer, log) -> list[list[int]]:
 
 def prepare(cfg, log=print) -> str:
     """Regenerates the training responses with the target; returns the data directory. Every process
-    of a multi-process run calls this (each prepares its share)."""
+    of a multi-process run calls this (each prepares its share). Holds the lock on ``cfg.out``
+    (:mod:`retrace_jax.training.lock`)."""
     cfg = as_config(cfg)
+    with run_lock(cfg.out):
+        return _prepare(cfg, log)
+
+
+def data_settings(cfg: TrainConfig, num_prompts: int | None = None) -> PrepareSettings:
+    """What the configuration's prepared data is made of (``num_prompts``: the training prompts kept,
+    known once the prompts are encoded). A prompt file that is not there is not fingerprinted: training
+    from prepared data does not need it, and preparing says that it is missing."""
+    d = cfg.data
+    random = d.prompts == "random"
+    digest = None if random else file_sha256(d.prompts) if os.path.isfile(d.prompts) else UNRECORDED
+    return PrepareSettings(num_prompts=num_prompts, shard_size=d.shard_size, max_prompt_len=d.max_prompt_len,
+                           max_new_tokens=d.max_new_tokens, temperature=d.temperature, source=str(d.prompts),
+                           source_sha256=digest, requested_prompts=d.num_prompts, eval_prompts=d.eval_prompts,
+                           drop_long_prompts=d.drop_long_prompts, prompt_len=d.prompt_len if random else None,
+                           thinking=d.thinking, seed=cfg.train.seed if random else None)
+
+
+def target_identity(cfg: TrainConfig) -> dict:
+    """The target that prepared data comes from, as its manifest records it: the directory ("tiny" for
+    the tiny random target), a digest of its ``config.json`` (another size or family) and
+    ``target_dtype`` (bfloat16 responses differ from float32's). Another directory is another target
+    too: a model fine-tuned from the same base has the same ``config.json``."""
+    hf = TINY_QWEN3.to_hf() if cfg.target == "tiny" else read_config_json(cfg.target)
+    digest = hashlib.sha256(json.dumps(hf, sort_keys=True).encode()).hexdigest()[:16]
+    return {"path": "tiny" if cfg.target == "tiny" else os.path.abspath(cfg.target), "config_sha256": digest,
+            "dtype": cfg.target_dtype}
+
+
+def check_prepared(cfg, log=print, settings: PrepareSettings | None = None) -> PrepareSettings:
+    """Refuses (``DataError``) prepared data in ``cfg.data_dir`` that was made with other settings than
+    ``cfg`` asks for or from another target, before anything loads; warns (a ``log`` record) about what
+    an earlier release's manifest does not record. Returns the settings (``settings``, or those of
+    ``cfg``; their ``num_prompts`` is compared only when known)."""
+    cfg = as_config(cfg)
+    settings = settings or data_settings(cfg)
+    if os.path.exists(os.path.join(cfg.data_dir, MANIFEST)):
+        ignore = ("num_prompts",) if settings.num_prompts is None else ()
+        target = target_identity(cfg)
+        manifest = check_manifest(cfg.data_dir, settings, target, ignore)
+        missing = unrecorded(manifest, settings, target, ignore)
+        if missing:
+            log({"event": "warning", "message": f"{os.path.join(cfg.data_dir, MANIFEST)} does not record "
+                                                f"{', '.join(missing)} (an earlier release wrote it): they are not "
+                                                f"checked; delete {cfg.data_dir} to prepare it again if they may "
+                                                f"differ"})
+    return settings
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def _prepare(cfg: TrainConfig, log) -> str:
     d = cfg.data
     nproc, pid = jax.process_count(), jax.process_index()
+    settings = check_prepared(cfg, log)  # data made otherwise is refused before the target loads
     target, tokenizer = build_target(cfg)  # each process regenerates on its own devices
     ids = prompt_ids(cfg, target.cfg.vocab_size, tokenizer, log)
     n_eval = d.eval_prompts
@@ -81,16 +151,16 @@ def prepare(cfg, log=print) -> str:
         raise DataError(f"{len(ids)} prompts leave none for training after holding out {n_eval} for evaluation")
     train_ids, eval_ids = ids[: len(ids) - n_eval], ids[len(ids) - n_eval :]
     out = cfg.data_dir
-    settings = PrepareSettings(num_prompts=len(train_ids), shard_size=d.shard_size, max_prompt_len=d.max_prompt_len,
-                               max_new_tokens=d.max_new_tokens, temperature=d.temperature, source=str(d.prompts))
+    settings = dataclasses.replace(settings, num_prompts=len(train_ids))
+    target_id = target_identity(cfg)
     eval_path = os.path.join(out, "eval_prompts.json")
-    _check_eval_prompts(eval_path, eval_ids)  # every process checks (and fails alike) before any writes
-    check_manifest(out, settings)
+    check_manifest(out, settings, target_id)  # every process checks (and fails alike) before any writes
+    _check_eval_prompts(eval_path, eval_ids)
     if pid == 0:
         os.makedirs(out, exist_ok=True)
         _write_eval_prompts(eval_path, eval_ids)
         if nproc > 1:
-            begin_manifest(out, settings)
+            begin_manifest(out, settings, target=target_id)
     barrier("retrace_jax.prepare.begin")
     drafter = load_drafter(d.drafter, target) if d.drafter else None
     stops = [t for t in ([tokenizer.eos_token_id] if tokenizer is not None else []) if t is not None]
@@ -105,7 +175,7 @@ def prepare(cfg, log=print) -> str:
 
     start = time.perf_counter()
     manifest = prepare_shards(out, train_ids, settings, generate_fn, progress=pid == 0, process_index=pid,
-                              process_count=nproc)
+                              process_count=nproc, target=target_id)
     barrier("retrace_jax.prepare.end")
     if nproc > 1:
         if pid == 0:

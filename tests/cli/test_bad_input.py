@@ -2,12 +2,14 @@
 
 Nothing here compiles a generation: every error is raised before the first program runs."""
 
+import errno
 import json
 import os
 import shutil
 
 import numpy as np
 import pytest
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 import decode
@@ -133,9 +135,28 @@ def test_save_drafter_failure_leaves_the_old_checkpoint(target, tmp_path, monkey
     with pytest.raises(OSError, match="simulated"):
         rj.save_drafter(_drafter(target, seed=1, retrace=rj.ReTraceConfig()), path)
     assert {f: open(os.path.join(path, f), "rb").read() for f in os.listdir(path)} == before
-    assert os.listdir(tmp_path) == ["d"]  # no temporary directory left behind
+    assert sorted(os.listdir(tmp_path)) == ["d", "d.versions"]
+    assert os.listdir(tmp_path / "d.versions") == ["1"]  # no temporary directory left behind
     monkeypatch.undo()
     np.testing.assert_array_equal(_fc(rj.load_drafter(path, target)), _fc(old))
+
+
+@pytest.mark.parametrize("failure", [
+    SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),  # safetensors'
+    OSError(errno.ENOSPC, "No space left on device"),  # open() or json.dump
+])
+def test_save_drafter_on_a_full_disk_raises_an_os_error_naming_the_path(failure, target, tmp_path, monkeypatch):
+    path = str(tmp_path / "d")
+
+    def fail(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(checkpoints, "save_file", fail)
+    with pytest.raises(OSError) as err:
+        rj.save_drafter(_drafter(target), path)
+    assert err.value.errno == errno.ENOSPC
+    assert str(err.value) == f"save_drafter could not write {path}: No space left on device"
+    assert not os.path.exists(path) and os.listdir(tmp_path / "d.versions") == []
 
 
 def test_save_drafter_replaces_stale_weights_of_another_layout(target, tmp_path):
@@ -151,7 +172,7 @@ def test_save_drafter_replaces_stale_weights_of_another_layout(target, tmp_path)
     rj.save_drafter(new, path)
     assert sorted(os.listdir(path)) == ["config.json", "model.safetensors", "tokenizer.json"]
     np.testing.assert_array_equal(_fc(rj.load_drafter(path, target)), _fc(new))
-    assert sorted(os.listdir(tmp_path)) == ["d"]
+    assert sorted(os.listdir(tmp_path)) == ["d", "d.versions"]
 
 
 def test_save_drafter_refuses_what_is_not_a_checkpoint_directory(target, tmp_path):
@@ -171,7 +192,7 @@ def test_drafter_config_json_errors_name_the_file(target, tmp_path):
     with pytest.raises(rj.ConfigError, match=r"config.json: num_hidden_layers: must be >= 1, got 0"):
         rj.load_drafter(path, target)
     _write(os.path.join(path, "config.json"), "{oops")
-    with pytest.raises(rj.ConfigError, match=r"d/config\.json is not valid JSON"):
+    with pytest.raises(rj.ConfigError, match=r"d\.versions/1/config\.json is not valid JSON"):  # the file itself
         rj.load_drafter(path, target)
 
 
@@ -268,6 +289,21 @@ def test_bad_jsonl_record_names_file_and_line(case, tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text(json.dumps({"prompt": "fine"}) + "\n\n" + json.dumps(record) + "\n")
     with pytest.raises(DataError, match=rf"prompts\.jsonl:3: {pattern}"):
+        read_prompts(str(path))
+
+
+@pytest.mark.parametrize("name", ["prompts.jsonl", "prompts.jsonl.gz"])
+def test_a_byte_that_is_not_utf8_is_named_by_its_line(name, tmp_path):
+    """The line of the bad byte, not that of the decoder's first buffer (8 KiB and more: line 1)."""
+    import gzip
+
+    lines = [json.dumps({"prompt": f"w{i} " * 20}).encode() for i in range(300)]
+    lines[250] = b'{"prompt": "caf\xe9"}'
+    data = b"\n".join(lines) + b"\n"
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    with pytest.raises(DataError, match=rf"{name}:251: not UTF-8 text \(invalid continuation byte at byte 15 "
+                                        rf"of the line\)"):
         read_prompts(str(path))
 
 

@@ -4,6 +4,7 @@ decoding, for DFlash and then ReTrace; resumable data preparation; clear errors 
 import json
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -21,8 +22,9 @@ from retrace_jax.training.data import (
     prepare_shards,
     read_prompts,
 )
-from tests.helpers import cli_error, make_hf_model, save_hf_model, save_word_tokenizer
+from tests.helpers import cli_error, edit_config, make_hf_model, save_hf_model, save_word_tokenizer
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPT_LINES = [
     {"conversations": [{"from": "human", "value": "w5 w6 w7 w8"}, {"from": "gpt", "value": "w9"}]},
     {"messages": [{"role": "system", "content": "w3"}, {"role": "user", "content": "w10 w11 w12"}]},
@@ -98,6 +100,44 @@ def test_resume_repeats_the_uninterrupted_run(workspace, dflash_run):
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
+def _truncate_largest_file(directory):
+    largest = max((os.path.join(d, f) for d, _, files in os.walk(directory) for f in files), key=os.path.getsize)
+    with open(largest, "r+b") as f:
+        f.truncate(os.path.getsize(largest) // 2)
+
+
+def test_an_unreadable_newest_checkpoint_is_set_aside_and_the_run_resumes_exactly(workspace, dflash_run, tmp_path,
+                                                                                 capsys):
+    """One truncated file in the newest Orbax checkpoint: the rerun warns, resumes from the one before and
+    repeats the uninterrupted run; with no readable checkpoint it is one error line naming the directory."""
+
+    _, config = workspace
+    out = tmp_path / "corrupt"
+    shutil.copytree(os.path.join(dflash_run[0], "checkpoints"), out / "checkpoints")
+    _truncate_largest_file(out / "checkpoints" / "40")
+    capsys.readouterr()
+    train.main(["--config", config, "--set", f"out={out}"])
+    err = capsys.readouterr().err
+    assert f"warning: checkpoint 40 in {out}/checkpoints cannot be read (" in err, err
+    assert f"resuming from step 20, the newest readable one; it is moved to {out}/checkpoints/40.unreadable" in err
+    assert "Traceback" not in err
+    assert sorted(os.listdir(out / "checkpoints")) == ["20", "40", "40.unreadable"]  # and the run saved 40 again
+    assert [r["step"] for r in _records(str(out)) if r.get("event") == "resumed"] == [20]
+    a, b = _tensors(dflash_run[0]), _tensors(str(out))
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    # nothing readable: one error line naming the directory, and nothing moved
+    for step in ("20", "40"):
+        _truncate_largest_file(out / "checkpoints" / step)
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={out}"])
+    assert message.startswith(f"error: no checkpoint in {out}/checkpoints can be read (checkpoint 40 cannot be "
+                              f"read ("), message
+    assert "; checkpoint 20 cannot be read (" in message and "move them away to train from the start" in message
+    assert sorted(os.listdir(out / "checkpoints")) == ["20", "40", "40.unreadable"]
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={out}", "--stage", "export"])
+    assert message.startswith(f"error: checkpoint 40 in {out}/checkpoints cannot be read ("), message
+
+
 def test_retrace_from_the_dflash_checkpoint(workspace, dflash_run):
     root, config = workspace
     out = str(root / "retrace")
@@ -141,6 +181,21 @@ def test_data_preparation_resumes_and_keeps_finished_shards(tmp_path):
     with pytest.raises(DataError, match="other settings"):
         prepare_shards(str(tmp_path), prompts, other, lambda c, first: [[1]] * len(c), progress=False)
     assert first.stat().st_mtime_ns == stamp
+
+
+def test_a_shard_that_does_not_fit_on_the_disk_is_named(tmp_path, monkeypatch):
+    import errno
+
+    def full(file, **arrays):
+        with open(file, "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(np, "savez", full)
+    settings = PrepareSettings(num_prompts=2, shard_size=2, max_prompt_len=8, max_new_tokens=3)
+    with pytest.raises(OSError, match=r"could not write .*/shard_00000\.npz: No space left on device$"):
+        prepare_shards(str(tmp_path), [[1, 2], [3, 4]], settings, lambda c, first: [[5]] * len(c), progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["manifest.json"]  # no partial file left
 
 
 def test_prompt_files(tmp_path):
@@ -220,6 +275,181 @@ def test_bad_configs_fail_clearly_and_lose_nothing(workspace, dflash_run, tmp_pa
     after = _tensors(dflash_run[0])
     assert all(np.array_equal(before[k], after[k]) for k in before)
     assert sorted(os.listdir(os.path.join(dflash_run[0], "checkpoints"))) == ["20", "40"]
+
+
+def test_a_prompt_file_that_is_not_utf8_is_named_with_its_line(workspace, tmp_path, capsys):
+    _, config = workspace
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in PROMPT_LINES[:5]) + b'{"prompt": "w\xe9"}\n')
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"data.prompts={bad}", "--set",
+                                            f"data.dir={tmp_path}/data", "--set", f"out={tmp_path}/out"])
+    assert message == f"error: {bad}:6: not UTF-8 text (invalid continuation byte at byte 13 of the line)", message
+
+
+def test_a_full_disk_stops_train_py_with_one_error_line(workspace, dflash_run, tmp_path, monkeypatch, capsys):
+    """A checkpoint that does not fit is refused before Orbax writes it; an export that fails (safetensors
+    raises its own error type) is an OSError naming the drafter. Either way: one line, no traceback."""
+    from collections import namedtuple
+
+    from safetensors import SafetensorError
+
+    from retrace_jax.io import checkpoints as io_checkpoints
+    from retrace_jax.training import checkpoints as training_checkpoints
+
+    _, config = workspace
+    out = tmp_path / "full"
+    args = ["--config", config, "--set", f"out={out}", "--set", "train.steps=2", "--set", "train.checkpoint_every=2"]
+    usage = namedtuple("usage", "total used free")
+    with monkeypatch.context() as m:
+        m.setattr(training_checkpoints.shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 100_000))
+        message = cli_error(capsys, train.main, args)
+    assert message.startswith(f"error: no space left on device for checkpoint 2 in {out}/checkpoints: it needs "
+                              f"about "), message
+    assert message.endswith(" MiB, 0.10 MiB are free"), message
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(io_checkpoints, "save_file", full)
+    message = cli_error(capsys, train.main, args)
+    assert message == f"error: save_drafter could not write {out}/drafter: No space left on device", message
+    assert os.listdir(out / "checkpoints") == ["2"] and not os.path.exists(out / "drafter")
+
+
+def test_a_second_run_on_the_same_out_is_refused_at_once(workspace, tmp_path, capsys):
+    """A run holds OUT's lock for its lifetime: another run on OUT exits at once naming the holder; a lock
+    left by a killed run does not block the next one."""
+    import signal
+    import subprocess
+    import sys
+
+    from retrace_jax.training.lock import hold_out_dir
+
+    _, config = workspace
+    out = tmp_path / "busy"
+    code = ("import sys, time\n"
+            "from retrace_jax.training.lock import hold_out_dir\n"
+            "with hold_out_dir(sys.argv[1]):\n"
+            "    print('locked', flush=True)\n"
+            "    time.sleep(600)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                              env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={out}"])
+        assert message.startswith(f"error: {out} is in use by another run (pid {holder.pid} on "), message
+        assert "train into another out directory" in message
+        assert os.listdir(out) == ["train.lock"]  # nothing else written: no metrics.jsonl, no data
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    with hold_out_dir(str(out)), hold_out_dir(str(out)):  # the killed run's lock is gone; re-entrant
+        assert (out / "train.lock").read_text().startswith(f"pid {os.getpid()} on ")
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_143_then_the_rerun_finishes(workspace, dflash_run, tmp_path, monkeypatch,
+                                                                          capsys):
+    import signal
+
+    from retrace_jax.training import loop
+
+    _, config = workspace
+    out = tmp_path / "preempted"
+    args = ["--config", config, "--set", f"out={out}", "--set", "train.steps=6", "--set", "train.checkpoint_every=6"]
+    batch = loop.global_batch
+
+    def preempted(data, step, *rest, **kwargs):
+        if step == 2:  # during the third step, as a scheduler would
+            os.kill(os.getpid(), signal.SIGTERM)
+        return batch(data, step, *rest, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(loop, "global_batch", preempted)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            train.main(args)
+    assert exit_.value.code == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (f"stopped by SIGTERM at step 3 of 6 (checkpoint saved in {out}/checkpoints); "
+                                    f"rerun the same command to resume"), err
+    assert os.listdir(out / "checkpoints") == ["3"] and not os.path.exists(out / "drafter")
+    summary = train.main(args)
+    assert summary["step"] == 6 and os.path.isdir(summary["drafter"])
+    assert [r["step"] for r in _records(str(out)) if r.get("event") == "resumed"] == [3]
+
+
+def _data_state(directory):
+    return {name: (directory / name).read_bytes() for name in sorted(os.listdir(directory))
+            if name.endswith((".json", ".npz"))}
+
+
+def test_prepared_data_of_other_settings_is_refused_by_every_stage(workspace, dflash_run, tmp_path, capsys):
+    """Finished data in data.dir and a configuration that would have made other data: every stage refuses,
+    naming what differs, and changes nothing (train.py --stage all used to train on the old data)."""
+    root, config = workspace
+    other = tmp_path / "other.jsonl"
+    other.write_text("\n".join(json.dumps(r) for r in PROMPT_LINES[::-1]) + "\n")
+    before = _data_state(root / "data")
+    changes = ["--set", "data.max_new_tokens=16", "--set", "data.temperature=0.7", "--set", f"data.prompts={other}"]
+    for stage in ("all", "train", "prepare"):
+        message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={tmp_path}/{stage}", *changes,
+                                                "--stage", stage])
+        assert message.startswith(f"error: {root}/data holds data prepared with other settings ("), message
+        for part in ("max_new_tokens: 32 then, 16 now", "temperature: 0.0 then, 0.7 now",
+                     f"source: '{root}/prompts.jsonl' then, '{other}' now", "source_sha256: '"):
+            assert part in message, (stage, message)
+        assert f"use a new out directory (or data.dir), or delete {root}/data to prepare it again" in message
+        assert not os.path.exists(tmp_path / stage / "checkpoints")
+    assert _data_state(root / "data") == before
+
+
+def test_prepared_data_of_another_target_is_refused(workspace, dflash_run, tmp_path, capsys):
+    root, config = workspace
+    target = load_config(config).target
+    before = _data_state(root / "data")
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={tmp_path}/a", "--set",
+                                            "target_dtype=bfloat16"])
+    assert message.startswith(f"error: {root}/data was prepared with another target: {target} (float32, "
+                              f"config.json sha256 "), message
+    assert f") then, {target} (bfloat16, config.json sha256 " in message and "delete" in message, message
+    other = tmp_path / "other_target"
+    shutil.copytree(target, other)
+    edit_config(str(other), lambda c: c.update(rms_norm_eps=1e-5))  # another model of the same shape
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={tmp_path}/b", "--set",
+                                            f"target={other}", "--stage", "prepare"])
+    assert f"was prepared with another target: {target} (float32" in message and f"then, {other} (float32" in message
+    assert "same model moved" not in message
+    moved = tmp_path / "moved_target"
+    shutil.copytree(target, moved)
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={tmp_path}/c", "--set",
+                                            f"target={moved}"])
+    assert f"then, {moved} (float32" in message, message
+    assert message.endswith(f"if it is the same model moved, set \"path\" in {root}/data/manifest.json to "
+                            f"'{moved}'"), message
+    assert _data_state(root / "data") == before
+
+
+def test_data_of_an_earlier_release_is_used_with_a_warning(workspace, dflash_run, tmp_path):
+    """A manifest without the target and the later settings (an earlier release's) is still accepted: what
+    it records is checked, what it lacks is named in a warning."""
+    from retrace_jax.training.prepare import check_prepared
+
+    root, config = workspace
+    shutil.copytree(root / "data", tmp_path / "data")
+    manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
+    old = ("num_prompts", "shard_size", "max_prompt_len", "max_new_tokens", "temperature", "source")
+    manifest = {"settings": {k: manifest["settings"][k] for k in old}, "done": manifest["done"]}
+    (tmp_path / "data" / "manifest.json").write_text(json.dumps(manifest))
+    records = []
+    cfg = load_config(config, [f"data.dir={tmp_path}/data"])
+    check_prepared(cfg, records.append)
+    assert [r["event"] for r in records] == ["warning"]
+    assert records[0]["message"] == (
+        f"{tmp_path}/data/manifest.json does not record the target, source_sha256, requested_prompts, "
+        f"eval_prompts, drop_long_prompts, prompt_len, thinking, seed (an earlier release wrote it): they are "
+        f"not checked; delete {tmp_path}/data to prepare it again if they may differ")
+    with pytest.raises(DataError, match=r"max_new_tokens: 32 then, 16 now"):  # what it records still counts
+        check_prepared(load_config(config, [f"data.dir={tmp_path}/data", "data.max_new_tokens=16"]), records.append)
 
 
 def test_feature_cache_gives_the_same_training(workspace, dflash_run):

@@ -1,0 +1,160 @@
+"""Saving over a checkpoint that others read: a reader gets one whole checkpoint, never parts of two."""
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+from flax import nnx
+
+import retrace_jax as rj
+from retrace_jax.io import atomic
+
+
+@pytest.fixture(scope="module")
+def target():
+    return rj.tiny.tiny_target()
+
+
+def _drafter(target, seed, **kwargs):
+    return rj.init_drafter(target.cfg, mask_token_id=5 + seed, num_layers=1, block_size=4, seed=seed, **kwargs)
+
+
+def _params(module) -> dict:
+    return {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(module))}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_readers_see_one_whole_drafter_while_another_is_saved_over_it(target, tmp_path):
+    """One thread saves two drafters in turn onto one path for two seconds while two threads load it: every
+    load succeeds and returns exactly one of the two (its config, the mask token, and all its weights)."""
+    drafters = {d.cfg.mask_token_id: d for d in (_drafter(target, 0), _drafter(target, 1))}
+    expected = {mask: _params(d) for mask, d in drafters.items()}
+    path = str(tmp_path / "drafter")
+    rj.save_drafter(drafters[5], path)
+    stop = threading.Event()
+    saves, loads, errors, mixed = [0], [], [], []
+
+    def write():
+        while not stop.is_set():
+            rj.save_drafter(drafters[6 if saves[0] % 2 == 0 else 5], path)
+            saves[0] += 1
+
+    def read():
+        while not stop.is_set():
+            try:
+                loaded = rj.load_drafter(path, target)
+            except Exception as err:  # noqa: BLE001 -- every failure counts
+                errors.append(f"{type(err).__name__}: {err}")
+                continue
+            mask = loaded.cfg.mask_token_id
+            loads.append(mask)
+            if not _same(_params(loaded), expected[mask]):
+                mixed.append(mask)
+
+    threads = [threading.Thread(target=write)] + [threading.Thread(target=read) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors, f"{len(errors)} of {len(errors) + len(loads)} loads failed, e.g. {errors[:3]}"
+    assert not mixed, f"{len(mixed)} of {len(loads)} loads paired one drafter's config with other weights"
+    assert saves[0] >= 5 and len(loads) >= 5 and set(loads) == {5, 6}, (saves, loads)
+    assert _same(_params(rj.load_drafter(path, target)), expected[6 if saves[0] % 2 else 5])
+
+
+def _save(path, text):
+    """A checkpoint of one file, saved as checkpoints are."""
+
+    def write(tmp):
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            f.write(text)
+
+    atomic.replace_directory(path, write, "test")
+
+
+def _text(directory):
+    with open(os.path.join(directory, "config.json")) as f:
+        return f.read()
+
+
+def test_a_save_is_a_new_version_behind_the_link_and_old_versions_go(tmp_path, monkeypatch):
+    path = str(tmp_path / "a" / "ckpt")
+    for i in range(4):
+        _save(path, f"v{i}")
+    assert os.readlink(path) == "ckpt.versions/4" and _text(path) == "v3"
+    assert sorted(os.listdir(tmp_path / "a" / "ckpt.versions")) == ["1", "2", "3", "4"]  # replaced < 60 s ago
+    monkeypatch.setattr(atomic, "GRACE_SECONDS", 0.0)
+    _save(path, "v4")
+    assert sorted(os.listdir(tmp_path / "a" / "ckpt.versions")) == ["4", "5"]  # the newest two
+    os.rename(tmp_path / "a", tmp_path / "b")  # the link is relative: the parent may move
+    assert _text(tmp_path / "b" / "ckpt") == "v4"
+
+
+def test_a_reader_starts_again_when_its_version_is_removed_or_its_directory_replaced(tmp_path, monkeypatch):
+    monkeypatch.setattr(atomic, "GRACE_SECONDS", 0.0)
+    path = str(tmp_path / "ckpt")
+    _save(path, "first")
+    seen = []
+
+    def read(directory):  # a slow reader: two saves happen while it reads, and its version is removed
+        seen.append(_text(directory))
+        if len(seen) == 1:
+            _save(path, "second")
+            _save(path, "third")
+        return _text(directory)
+
+    assert atomic.read_directory(path, read) == "third" and seen == ["first", "third"]
+    # A plain directory (an earlier release's layout) that a save replaces while it is read
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text("old")
+    seen.clear()
+
+    def read_plain(directory):
+        seen.append(_text(directory))
+        if len(seen) == 1:
+            _save(str(plain), "new")
+        return _text(directory)
+
+    assert atomic.read_directory(str(plain), read_plain) == "new" and seen == ["old", "new"]
+
+
+def test_a_reader_fails_at_once_where_nothing_changes(tmp_path):
+    calls = []
+
+    def read(directory):
+        calls.append(directory)
+        return _text(directory)
+
+    with pytest.raises(FileNotFoundError):
+        atomic.read_directory(str(tmp_path / "missing"), read)
+    assert calls == [str(tmp_path / "missing")]
+    _save(str(tmp_path / "ckpt"), "x")
+    os.remove(tmp_path / "ckpt" / "config.json")
+    with pytest.raises(FileNotFoundError):
+        atomic.read_directory(str(tmp_path / "ckpt"), read)
+    assert calls[1:] == [str(tmp_path / "ckpt.versions" / "1")]
+
+
+def test_a_plain_directory_loads_and_the_first_save_replaces_it_with_the_link(target, tmp_path):
+    old, new = _drafter(target, 0), _drafter(target, 1)
+    saved = tmp_path / "saved"
+    rj.save_drafter(old, str(saved))
+    plain = tmp_path / "plain"
+    plain.mkdir()  # the layout of earlier releases: the files in the directory itself
+    for name in os.listdir(saved):
+        (plain / name).write_bytes((saved / name).read_bytes())
+    (plain / "tokenizer.json").write_text("{}")
+    assert _same(_params(rj.load_drafter(str(plain), target)), _params(old))
+    rj.save_drafter(new, str(plain))
+    assert os.path.islink(plain) and os.readlink(plain) == "plain.versions/1"
+    assert sorted(os.listdir(plain)) == ["config.json", "model.safetensors", "tokenizer.json"]  # kept the tokenizer
+    assert os.listdir(tmp_path / "plain.versions") == ["1"]  # the plain directory is gone
+    assert _same(_params(rj.load_drafter(str(plain), target)), _params(new))
