@@ -438,6 +438,7 @@ def stage_export(cfg: BuildConfig, log, allow_partial: bool = False) -> None:
     from flax import nnx
     from transformers import AutoTokenizer
 
+    from retrace_jax.io.atomic import to_plain_directory
     from retrace_jax.io.checkpoints import load_target, save_target
 
     model, step, meta = restore_model(cfg)
@@ -453,6 +454,7 @@ def stage_export(cfg: BuildConfig, log, allow_partial: bool = False) -> None:
             os.remove(os.path.join(cfg.out, name))
     save_tokenizer(tokenizer, cfg.out)
     save_target(model, cfg.out, dtype="bfloat16", extra_config=ids)
+    to_plain_directory(cfg.out)  # the repository keeps the files, not a link to a version
     windows = eval_windows(np.load(os.path.join(cfg.data_dir, "heldout_tokens.npy")), cfg.eval_windows, cfg.seq_len)
     losses = {}
     for name, module in (("heldout_loss", model), ("heldout_loss_bf16_weights", load_target(cfg.out, "float32"))):

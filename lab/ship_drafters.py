@@ -13,6 +13,7 @@ LAB = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(LAB))
 
 import retrace_jax as rj  # noqa: E402
+from retrace_jax.io.atomic import to_plain_directory  # noqa: E402
 
 RUNS = {"A": "A", "B": "B_s0", "C": "C_s0"}
 
@@ -29,6 +30,7 @@ def main(argv=None) -> None:
         drafter = rj.load_drafter(src, target)
         dst = os.path.join(args.out, name)
         rj.save_drafter(drafter, dst, dtype="bfloat16")
+        to_plain_directory(dst)  # the repository keeps the files, not a link to a version
         size = sum(os.path.getsize(os.path.join(dst, f)) for f in os.listdir(dst))
         print(f"{name}: {src} -> {dst} (bf16, {size / 1e6:.1f} MB)")
 

@@ -100,6 +100,25 @@ def read_directory(path: str, read: Callable[[str], T]) -> T:
                           f"saving to it without pause?")
 
 
+def to_plain_directory(path: str) -> None:
+    """Replaces a versioned checkpoint at ``path`` by a plain directory holding a copy of its current
+    version, and removes its versions: for checkpoints kept where links do not travel well (a git
+    repository stores the link, not the files; ``cp -r`` copies the link). A plain directory stays as it
+    is. Not for a checkpoint that others may be reading or saving at the same time."""
+    if not os.path.islink(path):
+        return
+    current = os.path.realpath(path)
+    tmp = tempfile.mkdtemp(prefix=".plain-", dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        shutil.copytree(current, tmp, dirs_exist_ok=True)
+        os.replace(tmp, path + ".plain")
+        os.remove(path)
+        os.replace(path + ".plain", path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(_versions_dir(path), ignore_errors=True)
+
+
 def write_error(err: BaseException, doing: str) -> OSError:
     """An ``OSError`` saying ``doing: REASON`` with the errno of ``err``. safetensors and Orbax report a
     failed write (a full disk) as a ``SafetensorError`` or a ``ValueError`` that gives the errno only in

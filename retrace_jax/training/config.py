@@ -302,11 +302,17 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
     if path is not None:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"config file not found: {path}")
-        with open(path) as f:
-            try:
-                raw = yaml.safe_load(f)
-            except yaml.YAMLError as err:
-                raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+        with open(path, "rb") as f:
+            data = f.read()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            line = data.count(b"\n", 0, err.start) + 1
+            raise ConfigError(f"{path}: line {line}: not UTF-8 (byte {data[err.start]:#04x})") from None
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
         raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         _validated(raw, lambda _: f"{path}: ")  # raises: not a mapping

@@ -158,3 +158,20 @@ def test_a_plain_directory_loads_and_the_first_save_replaces_it_with_the_link(ta
     assert sorted(os.listdir(plain)) == ["config.json", "model.safetensors", "tokenizer.json"]  # kept the tokenizer
     assert os.listdir(tmp_path / "plain.versions") == ["1"]  # the plain directory is gone
     assert _same(_params(rj.load_drafter(str(plain), target)), _params(new))
+
+
+def test_to_plain_directory_keeps_the_current_version_as_files(target, tmp_path):
+    """For a checkpoint kept in a repository: the link and its versions become one plain directory
+    holding the newest version's files; a plain directory is left alone."""
+    path = tmp_path / "shipped"
+    first, second = _drafter(target, 0), _drafter(target, 1)
+    rj.save_drafter(first, str(path))
+    rj.save_drafter(second, str(path))
+    atomic.to_plain_directory(str(path))
+    assert not os.path.islink(path) and os.path.isdir(path)
+    assert not os.path.exists(str(path) + atomic.VERSIONS)
+    assert sorted(os.listdir(path)) == ["config.json", "model.safetensors"]
+    assert _same(_params(rj.load_drafter(str(path), target)), _params(second))
+    atomic.to_plain_directory(str(path))  # already plain: unchanged
+    assert _same(_params(rj.load_drafter(str(path), target)), _params(second))
+    assert sorted(os.listdir(tmp_path)) == ["shipped"]  # no temporary left behind

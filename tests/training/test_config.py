@@ -247,3 +247,10 @@ def test_assignments_are_checked(config):
         cfg.train.steps = "5"
     with pytest.raises(ConfigError, match=r"^data\.drop_long_prompts: expected true or false, got 'false'$"):
         cfg["data"]["drop_long_prompts"] = "false"
+
+
+def test_a_config_file_that_is_not_utf8_names_the_file_and_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(b"train:\n  steps: 3\n  lr: 0.001 # caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: line 3: not UTF-8 \(byte 0xe9\)"):
+        load_config(str(path))
