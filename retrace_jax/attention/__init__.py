@@ -25,7 +25,8 @@ Two implementations share one meaning:
   ``(b, t)`` sees the slots ``s < limit[b, t]`` (and, optionally, ``E`` extra keys that every query
   sees). The chunked walk (``chunked.py``) visits the cache in chunks of ``C`` slots only up to the
   batch's largest limit, with an online softmax (flash-decoding), so decode, verify and draft cost grows
-  with the filled length, not with ``S``; long query sequences (prefill) are split into chunks of
+  with the filled length, not with ``S`` (a long cache's last, partly filled chunk is walked in chunks
+  of ``SMALL_CHUNK``, so a short text costs what it costs in a short cache); long query sequences (prefill) are split into chunks of
   queries as well, each walking only the chunks it can see, so memory grows with the chunk sizes, not
   with the prompt squared.
 
@@ -125,7 +126,10 @@ def cached_attention(q_bthd, k_lbskd, v_lbskd, layer, limit_bt, extra_k_bekd=Non
     kv_heads = k_lbskd.shape[3]
     q = q_bthd.reshape(b, t, kv_heads, h // kv_heads, d)
     extra = None if extra_k_bekd is None else (extra_k_bekd, extra_v_bekd)
-    walk = functools.partial(walk_cache, k_lbskd=k_lbskd, v_lbskd=v_lbskd, layer=layer, chunk=chunk, extra=extra)
+    small = min(SMALL_CHUNK, chunk)
+    tail = small if chunk % small == 0 else chunk  # a short filled tail in small chunks (see walk_cache)
+    walk = functools.partial(walk_cache, k_lbskd=k_lbskd, v_lbskd=v_lbskd, layer=layer, chunk=chunk, extra=extra,
+                             tail_chunk=tail)
     plan = kernels.decode_kernel_plan(s, d) if implementation == "pallas_gpu" and t <= PALLAS_GPU_MAX_T else None
     if plan is not None:
         return kernels.decode_kernel_cached(q, limit_bt, k_lbskd, v_lbskd, layer, plan, walk).astype(q_bthd.dtype)

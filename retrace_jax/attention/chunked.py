@@ -9,11 +9,17 @@ import jax.numpy as jnp
 NEG = -1e30  # the running max starts here (finite): see online_update
 
 
-def walk_cache(q_btkgd, limit_bt, *, k_lbskd, v_lbskd, layer, chunk, extra, lo_b=None, state=None):
+def walk_cache(q_btkgd, limit_bt, *, k_lbskd, v_lbskd, layer, chunk, extra, lo_b=None, state=None,
+               tail_chunk=None):
     """Online softmax over the extra keys, then over the cache chunks that hold visible slots: query
     ``(b, t)`` sees the slots ``lo[b] <= s < limit[b, t]`` (``lo`` 0 unless given), so the walk covers
     chunks ``floor(min(lo) / C) .. ceil(max(limit) / C) - 1``. ``state`` continues a softmax already
-    started (``(m, l, acc)``, ``[B, K, G, T]`` and ``[B, K, G, T, D]``; empty by default)."""
+    started (``(m, l, acc)``, ``[B, K, G, T]`` and ``[B, K, G, T, D]``; empty by default).
+
+    With a smaller ``tail_chunk`` (a divisor of ``chunk``) the walk covers whole chunks of ``chunk``
+    slots up to the last such boundary below ``max(limit)``, and the rest in chunks of ``tail_chunk``: a
+    short filled length in a long cache then costs what it costs in a short one, while a long one is
+    walked in few large chunks."""
     b, t, kv, g, d = q_btkgd.shape
     q_bkgtd = q_btkgd.transpose(0, 2, 3, 1, 4)  # once, not in every chunk's product
     if state is None:
@@ -25,23 +31,37 @@ def walk_cache(q_btkgd, limit_bt, *, k_lbskd, v_lbskd, layer, chunk, extra, lo_b
                             preferred_element_type=jnp.float32) * d**-0.5
         state = online_update(state, scores, jnp.ones((b, t, k_e.shape[1]), bool), v_e)
 
-    def one_chunk(j, state):
-        start = j * chunk
-        k_c, v_c = (cache_chunk(buf, layer, start, chunk) for buf in (k_lbskd, v_lbskd))
-        scores = jnp.einsum("bkgtd,bckd->bkgtc", q_bkgtd, k_c.astype(q_btkgd.dtype),
-                            preferred_element_type=jnp.float32) * d**-0.5
-        slots = (start + jnp.arange(chunk))[None, None, :]
-        visible = slots < limit_bt[:, :, None]  # [B, T, C]
-        if lo_b is not None:
-            visible &= slots >= lo_b[:, None, None]
-        return online_update(state, scores, visible, v_c)
+    def walk(size, first, last, state):
+        def one_chunk(j, state):
+            start = j * size
+            k_c, v_c = (cache_chunk(buf, layer, start, size) for buf in (k_lbskd, v_lbskd))
+            scores = jnp.einsum("bkgtd,bckd->bkgtc", q_bkgtd, k_c.astype(q_btkgd.dtype),
+                                preferred_element_type=jnp.float32) * d**-0.5
+            slots = (start + jnp.arange(size))[None, None, :]
+            visible = slots < limit_bt[:, :, None]  # [B, T, C]
+            if lo_b is not None:
+                visible &= slots >= lo_b[:, None, None]
+            return online_update(state, scores, visible, v_c)
 
-    n_chunks = (jnp.max(limit_bt) + chunk - 1) // chunk
-    first = 0
-    if lo_b is not None:  # nothing left past lo (decode, draft): walk no chunk at all
-        first = jnp.min(lo_b) // chunk
-        n_chunks = jnp.where(jnp.any(limit_bt > lo_b[:, None]), n_chunks, first)
-    _, l, acc = jax.lax.fori_loop(first, n_chunks, one_chunk, state)
+        return jax.lax.fori_loop(first, last, one_chunk, state)
+
+    top = jnp.max(limit_bt)
+    lo = 0 if lo_b is None else jnp.min(lo_b)
+
+    def bounds(size, start, end):  # the chunks of ``size`` from the one holding slot start to slot end
+        first, last = start // size, (end + size - 1) // size
+        if lo_b is not None:  # nothing left past lo (decode, draft): walk no chunk at all
+            last = jnp.where(jnp.any(limit_bt > lo_b[:, None]), jnp.maximum(last, first), first)
+        return first, last
+
+    tail = chunk if tail_chunk is None else tail_chunk
+    if tail == chunk:
+        state = walk(chunk, *bounds(chunk, lo, top), state)
+    else:
+        split = top // chunk * chunk  # whole chunks below, small ones from here to top
+        state = walk(chunk, *bounds(chunk, lo, split), state)
+        state = walk(tail, *bounds(tail, jnp.maximum(split, lo), top), state)
+    _, l, acc = state
     out = acc / jnp.maximum(l, 1e-30)[..., None]  # [B, K, G, T, D]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, kv * g, d)
 

@@ -132,3 +132,27 @@ def test_cudnn_prefill_path_gives_the_same_tokens(monkeypatch):
     got = [rj.generate(target, prompts, 12, attention="cudnn", **kw).tokens for kw in ({}, {"drafter": drafter})]
     assert got == want
     assert calls and all(shape[1] == 16 for shape in calls)  # the prompt bucket, never a decode step
+
+
+def test_a_long_cache_walks_its_filled_tail_in_small_chunks():
+    """A cache of several large chunks is walked in large chunks up to the last large boundary below the
+    longest row and in small chunks after it: it matches the reference at every filled length, and a
+    short filled length reads no slot past the small chunks it needs (poisoned slots change nothing;
+    a walk in chunks of 512 would read them, and NaN values give NaN outputs)."""
+    from retrace_jax.attention import KV_CHUNK, SMALL_CHUNK
+
+    rng = np.random.default_rng(2)
+    slots = 3 * KV_CHUNK
+    k, v = _random_cache(rng, 1, 2, slots, 2, 8, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((2, 3, 4, 8)), jnp.float32)
+    for lengths in ([1, 150], [KV_CHUNK, KV_CHUNK + 1], [700, 1300], [slots, 2 * KV_CHUNK - 5]):
+        limit = np.minimum(np.asarray(lengths)[:, None] + np.arange(3)[None, :], slots).astype(np.int32)
+        mask = np.arange(slots)[None, None, :] < limit[:, :, None]
+        want = reference_attention(q, k[0], v[0], jnp.asarray(mask))
+        got = cached_attention(q, k, v, 0, jnp.asarray(limit))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-5)
+    limit = jnp.asarray([[150, 151, 152], [60, 61, 62]], jnp.int32)
+    tail_end = 2 * SMALL_CHUNK  # the small chunks that hold slots below 152
+    clean = cached_attention(q, k, v, 0, limit)
+    poisoned = cached_attention(q, k.at[:, :, tail_end:].set(jnp.nan), v.at[:, :, tail_end:].set(jnp.nan), 0, limit)
+    np.testing.assert_array_equal(np.asarray(clean), np.asarray(poisoned))
