@@ -78,7 +78,7 @@ ARGMAX_BLOCK = 128  # vocabulary entries per block of the CPU's two-level argmax
 def argmax(logits_nv):
     """``jnp.argmax(logits, -1)`` as int32: the first index of the largest value over the vocabulary.
     Rows with a NaN get some index (the decode programs report non-finite logits: see
-    :func:`non_finite`).
+    :func:`~retrace_jax.decoding.commit.stop_non_finite`).
 
     On CPU it is taken in two levels, the largest value of each block of ``ARGMAX_BLOCK`` entries, the
     first block that holds the largest of them, then the first index of it inside that block, because
