@@ -594,7 +594,9 @@ def test_a_draft_vocabulary_is_chosen_from_the_data_kept_on_resume_and_exported(
                                             "--set", "train.objective=retrace", "--set",
                                             f"drafter.init={summary['drafter']}", "--set",
                                             "drafter.draft_vocab=50"])
-    assert "keeps its draft vocabulary" in message
+    # (refused by the pre-flight check, before any work, naming both values)
+    assert "drafter.draft_vocab: 50, but drafter.init" in message and "has 40" in message
+    assert "keeps its own" in message
 
 
 def test_export_reads_checkpoints_and_refuses_clearly(workspace, dflash_run, capsys):
