@@ -44,11 +44,12 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 def window_start(positions_bt, window: int):
     """The first context position that a sliding-attention query at ``positions`` sees: ``p - window + 1``.
 
-    The rule is the official DFlash drafter's (z-lab/dflash ``dflash/model.py``, ``Qwen3DFlashAttention``:
-    ``self.sliding_window = config.sliding_window`` for a ``"sliding_attention"`` layer, passed as
-    ``sliding_window=`` to transformers' attention function over ``[context keys ; block keys]``, non-causal).
-    transformers' flash-attention path turns it into flash-attn's ``window_size=(window - 1, window - 1)``
-    (``modeling_flash_attention_utils.py``), bottom-right aligned, and in ``dflash_generate`` the draft cache
+    The rule is the official DFlash drafter's (z-lab/dflash ``dflash/model.py`` at 44947fb,
+    ``Qwen3DFlashAttention``: line 209 sets ``self.sliding_window = config.sliding_window`` for a
+    ``"sliding_attention"`` layer, line 250 passes it as ``sliding_window=`` to transformers' attention
+    function over ``[context keys ; block keys]``, non-causal). transformers' flash-attention path turns it
+    into flash-attn's ``window_size=(window - 1, window - 1)`` (``modeling_flash_attention_utils.py``,
+    ``_process_flash_attention_kwargs``, 5.24), bottom-right aligned, and in ``dflash_generate`` the draft cache
     holds the context at positions ``0..anchor-1`` and the block follows at ``anchor..``, so key index is
     position. Hence: a query at position ``p`` sees a key at position ``k`` iff ``|p - k| < window``.
     Context keys lie before the anchor (``k < p``): visible iff ``k >= p - window + 1``, the last ``window``

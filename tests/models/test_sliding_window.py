@@ -61,7 +61,8 @@ def run_reference(ref, emb, feats, positions):
 
 def test_saved_config_round_trips_and_the_reference_reads_the_window(qwen3, sliding, reference, tmp_path):
     rj.save_drafter(sliding, str(tmp_path))
-    cfg = json.load(open(tmp_path / "config.json"))
+    with open(tmp_path / "config.json") as f:
+        cfg = json.load(f)
     assert (cfg["layer_types"], cfg["sliding_window"], cfg["use_sliding_window"]) == (list(TYPES), WINDOW, True)
     assert rj.load_drafter(str(tmp_path), qwen3).cfg == sliding.cfg
     assert [layer.self_attn.window for layer in reference.layers] == [WINDOW, None]
@@ -88,14 +89,14 @@ def test_without_use_sliding_window_the_layers_stay_full_as_in_transformers(qwen
 BAD = {
     "unknown layer type": (
         lambda c: c.update(layer_types=["sliding_attention", "chunked_attention"]),
-        r"config\.json: layer_types\[1\]: 'chunked_attention' is not implemented; retrace-jax implements "
-        r"'full_attention' and 'sliding_attention'"),
+        (r"config\.json: layer_types\[1\]: 'chunked_attention' is not implemented; retrace-jax implements "
+         r"'full_attention' and 'sliding_attention'")),
     "one type for two layers": (
         lambda c: c.update(layer_types=["full_attention"]),
         r"config\.json: layer_types has 1 entries for num_hidden_layers 2"),
     "not a list": (lambda c: c.update(layer_types="sliding_attention"), r"config\.json: layer_types: expected a list"),
-    "zero window": (lambda c: c.update(sliding_window=0), r"config\.json: sliding_window: .*needs a positive integer "
-                                                          r"sliding_window; got 0"),
+    "zero window": (lambda c: c.update(sliding_window=0),
+                    r"config\.json: sliding_window: .*needs a positive integer sliding_window; got 0"),
     "no window": (lambda c: c.pop("sliding_window"), r"config\.json: sliding_window: .*got None"),
     "window as text": (lambda c: c.update(sliding_window="4096"),
                        r"config\.json: sliding_window: expected an integer, got '4096'"),
