@@ -24,8 +24,15 @@ def _rope(x, cos, sin):  # x [B, H, T, D]; cos/sin [B, T, D]
 
 
 class RefAttention(nn.Module):
-    def __init__(self, config):
+    """The official ``Qwen3DFlashAttention``: a ``"sliding_attention"`` layer gets ``config.sliding_window``
+    (which transformers' Qwen3Config leaves None unless ``use_sliding_window``), applied as flash-attn's
+    ``window_size=(w - 1, w - 1)`` over keys indexed by position: a query at ``p`` sees a key at ``k`` iff
+    ``|p - k| < w``."""
+
+    def __init__(self, config, layer_idx=0):
         super().__init__()
+        types = getattr(config, "layer_types", None)
+        self.window = config.sliding_window if types and types[layer_idx] == "sliding_attention" else None
         self.h, self.kv, self.d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, self.h * self.d, bias=bias)
@@ -35,7 +42,7 @@ class RefAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.d, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.d, eps=config.rms_norm_eps)
 
-    def forward(self, x, ctx, cos, sin):
+    def forward(self, x, ctx, cos, sin, positions):
         b, t, _ = x.shape
         s = ctx.shape[1]
         q = self.q_norm(self.q_proj(x).view(b, t, self.h, self.d)).transpose(1, 2)
@@ -45,20 +52,24 @@ class RefAttention(nn.Module):
         q, k = _rope(q, cos[:, -t:], sin[:, -t:]), _rope(k, cos, sin)
         rep = self.h // self.kv
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        probs = torch.softmax((q @ k.transpose(-1, -2)).float() * self.d**-0.5, -1).to(v.dtype)  # not causal
+        scores = (q @ k.transpose(-1, -2)).float() * self.d**-0.5  # not causal
+        if self.window is not None:
+            far = (positions[:, -t:, None] - positions[:, None, :]).abs() >= self.window  # [B, T, S + T]
+            scores = scores.masked_fill(far[:, None], float("-inf"))
+        probs = torch.softmax(scores, -1).to(v.dtype)
         return self.o_proj((probs @ v).transpose(1, 2).reshape(b, t, -1))
 
 
 class RefLayer(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, layer_idx=0):
         super().__init__()
-        self.self_attn = RefAttention(config)
+        self.self_attn = RefAttention(config, layer_idx)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, ctx, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin)
+    def forward(self, x, ctx, cos, sin, positions):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, positions)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -67,7 +78,7 @@ class RefDFlashDraftModel(Qwen3PreTrainedModel):
 
     def __init__(self, config):
         super().__init__(config)
-        self.layers = nn.ModuleList([RefLayer(config) for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([RefLayer(config, i) for i in range(config.num_hidden_layers)])
         self.target_layer_ids = list(config.dflash_config["target_layer_ids"])
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
@@ -82,7 +93,7 @@ class RefDFlashDraftModel(Qwen3PreTrainedModel):
         cos, sin = self.rotary_emb(noise_embedding, position_ids)
         h = noise_embedding
         for layer in self.layers:
-            h = layer(h, ctx, cos, sin)
+            h = layer(h, ctx, cos, sin, position_ids)
         return self.norm(h)
 
 

@@ -109,15 +109,18 @@ def walk_chunk(slots: int, chunk: int = KV_CHUNK) -> int:
 
 
 def cached_attention(q_bthd, k_lbskd, v_lbskd, layer, limit_bt, extra_k_bekd=None, extra_v_bekd=None, *,
-                     implementation: str = "auto", kv_chunk: int = KV_CHUNK, q_chunk: int = Q_CHUNK):
+                     start_bt=None, implementation: str = "auto", kv_chunk: int = KV_CHUNK, q_chunk: int = Q_CHUNK):
     """Attention of ``T`` queries over layer ``layer`` of a KV cache ``[L, B, S, K, D]``.
 
-    Query ``(b, t)`` sees the cache slots ``s < limit[b, t]`` and all ``E`` extra keys (when given).
-    ``layer`` may be traced (a scan over layers). Returns ``[B, T, H, D]`` in the query dtype."""
+    Query ``(b, t)`` sees the cache slots ``start[b, t] <= s < limit[b, t]`` (``start`` 0 unless given:
+    a sliding window's first visible slot) and all ``E`` extra keys (when given). ``layer`` may be traced
+    (a scan over layers). Returns ``[B, T, H, D]`` in the query dtype. A windowed call (``start``) is
+    walked by the chunked path, whatever the implementation: the Pallas GPU kernel's split assumes that
+    every query sees the slots from 0."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if implementation == "dense":  # "cudnn" and "pallas_tpu" have kernels for fresh prefills only; here chunked
-        return dense_cached(q_bthd, k_lbskd, v_lbskd, layer, limit_bt, extra_k_bekd, extra_v_bekd)
+        return dense_cached(q_bthd, k_lbskd, v_lbskd, layer, limit_bt, extra_k_bekd, extra_v_bekd, start_bt)
     if implementation in ("pallas_gpu", "pallas_tpu"):
         kernels.check_pallas_backend(implementation)
     b, t, h, d = q_bthd.shape
@@ -130,20 +133,26 @@ def cached_attention(q_bthd, k_lbskd, v_lbskd, layer, limit_bt, extra_k_bekd=Non
     tail = small if chunk % small == 0 else chunk  # a short filled tail in small chunks (see walk_cache)
     walk = functools.partial(walk_cache, k_lbskd=k_lbskd, v_lbskd=v_lbskd, layer=layer, chunk=chunk, extra=extra,
                              tail_chunk=tail)
-    plan = kernels.decode_kernel_plan(s, d) if implementation == "pallas_gpu" and t <= PALLAS_GPU_MAX_T else None
+    use_kernel = implementation == "pallas_gpu" and t <= PALLAS_GPU_MAX_T and start_bt is None
+    plan = kernels.decode_kernel_plan(s, d) if use_kernel else None
     if plan is not None:
         return kernels.decode_kernel_cached(q, limit_bt, k_lbskd, v_lbskd, layer, plan, walk).astype(q_bthd.dtype)
+    start = jnp.zeros_like(limit_bt) if start_bt is None else jnp.broadcast_to(start_bt, limit_bt.shape)
+    walk_from = (lambda q_, limit_, start_: walk(q_, limit_)) if start_bt is None else (
+        lambda q_, limit_, start_: walk(q_, limit_, lo_b=start_))
     qc = min(q_chunk, t)
     if t <= qc:
-        out = walk(q, limit_bt)
+        out = walk_from(q, limit_bt, start)
     else:  # chunks of queries, each walking only the cache chunks it can see
         n = -(-t // qc)
         pad = n * qc - t
         q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
         limit = jnp.pad(limit_bt, ((0, 0), (0, pad)))
+        start = jnp.pad(start, ((0, 0), (0, pad)))
         q_n = q.reshape(b, n, qc, *q.shape[2:]).swapaxes(0, 1)
         limit_n = limit.reshape(b, n, qc).swapaxes(0, 1)
-        out = jax.lax.map(lambda args: walk(*args), (q_n, limit_n))  # [N, B, Qc, H, D]
+        start_n = start.reshape(b, n, qc).swapaxes(0, 1)
+        out = jax.lax.map(lambda args: walk_from(*args), (q_n, limit_n, start_n))  # [N, B, Qc, H, D]
         out = out.swapaxes(0, 1).reshape(b, n * qc, h, d)[:, :t]
     return out.astype(q_bthd.dtype)
 

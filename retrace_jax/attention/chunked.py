@@ -12,8 +12,9 @@ NEG = -1e30  # the running max starts here (finite): see online_update
 def walk_cache(q_btkgd, limit_bt, *, k_lbskd, v_lbskd, layer, chunk, extra, lo_b=None, state=None,
                tail_chunk=None):
     """Online softmax over the extra keys, then over the cache chunks that hold visible slots: query
-    ``(b, t)`` sees the slots ``lo[b] <= s < limit[b, t]`` (``lo`` 0 unless given), so the walk covers
-    chunks ``floor(min(lo) / C) .. ceil(max(limit) / C) - 1``. ``state`` continues a softmax already
+    ``(b, t)`` sees the slots ``lo[b] <= s < limit[b, t]`` (``lo`` 0 unless given; ``[B]``, or ``[B, T]``
+    for a bound per query: a sliding window), so the walk covers chunks
+    ``floor(min(lo) / C) .. ceil(max(limit) / C) - 1``. ``state`` continues a softmax already
     started (``(m, l, acc)``, ``[B, K, G, T]`` and ``[B, K, G, T, D]``; empty by default).
 
     With a smaller ``tail_chunk`` (a divisor of ``chunk``) the walk covers whole chunks of ``chunk``
@@ -21,6 +22,7 @@ def walk_cache(q_btkgd, limit_bt, *, k_lbskd, v_lbskd, layer, chunk, extra, lo_b
     short filled length in a long cache then costs what it costs in a short one, while a long one is
     walked in few large chunks."""
     b, t, kv, g, d = q_btkgd.shape
+    lo_bt = None if lo_b is None else (lo_b[:, None] if lo_b.ndim == 1 else lo_b)  # [B, 1] or [B, T]
     q_bkgtd = q_btkgd.transpose(0, 2, 3, 1, 4)  # once, not in every chunk's product
     if state is None:
         state = (jnp.full((b, kv, g, t), NEG, jnp.float32), jnp.zeros((b, kv, g, t), jnp.float32),
@@ -39,8 +41,8 @@ def walk_cache(q_btkgd, limit_bt, *, k_lbskd, v_lbskd, layer, chunk, extra, lo_b
                                 preferred_element_type=jnp.float32) * d**-0.5
             slots = (start + jnp.arange(size))[None, None, :]
             visible = slots < limit_bt[:, :, None]  # [B, T, C]
-            if lo_b is not None:
-                visible &= slots >= lo_b[:, None, None]
+            if lo_bt is not None:
+                visible &= slots >= lo_bt[:, :, None]
             return online_update(state, scores, visible, v_c)
 
         return jax.lax.fori_loop(first, last, one_chunk, state)
@@ -51,7 +53,7 @@ def walk_cache(q_btkgd, limit_bt, *, k_lbskd, v_lbskd, layer, chunk, extra, lo_b
     def bounds(size, start, end):  # the chunks of ``size`` from the one holding slot start to slot end
         first, last = start // size, (end + size - 1) // size
         if lo_b is not None:  # nothing left past lo (decode, draft): walk no chunk at all
-            last = jnp.where(jnp.any(limit_bt > lo_b[:, None]), jnp.maximum(last, first), first)
+            last = jnp.where(jnp.any(limit_bt > lo_bt), jnp.maximum(last, first), first)
         return first, last
 
     tail = chunk if tail_chunk is None else tail_chunk

@@ -41,7 +41,27 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
     return tuple(int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
 
 
+def window_start(positions_bt, window: int):
+    """The first context position that a sliding-attention query at ``positions`` sees: ``p - window + 1``.
+
+    The rule is the official DFlash drafter's (z-lab/dflash ``dflash/model.py`` at 44947fb,
+    ``Qwen3DFlashAttention``: line 209 sets ``self.sliding_window = config.sliding_window`` for a
+    ``"sliding_attention"`` layer, line 250 passes it as ``sliding_window=`` to transformers' attention
+    function over ``[context keys ; block keys]``, non-causal). transformers' flash-attention path turns it
+    into flash-attn's ``window_size=(window - 1, window - 1)`` (``modeling_flash_attention_utils.py``,
+    ``_process_flash_attention_kwargs``, 5.24), bottom-right aligned, and in ``dflash_generate`` the draft cache
+    holds the context at positions ``0..anchor-1`` and the block follows at ``anchor..``, so key index is
+    position. Hence: a query at position ``p`` sees a key at position ``k`` iff ``|p - k| < window``.
+    Context keys lie before the anchor (``k < p``): visible iff ``k >= p - window + 1``, the last ``window``
+    positions up to ``p`` as in transformers' Qwen3 sliding window. The block's own keys are within
+    ``block_size - 1`` of every block query, so with ``window >= block_size`` (which :class:`DrafterConfig`
+    requires) all of them stay visible. (The official code's eager and SDPA paths ignore ``sliding_window``
+    since DFlash passes no mask; its flash-attention path, the one its benchmark uses, applies it.)"""
+    return positions_bt - (window - 1)
+
+
 BlockSize = Annotated[Int, Field(ge=2)]  # the anchor and at least one proposal
+LAYER_TYPES = ("full_attention", "sliding_attention")  # the values of layer_types that are implemented
 LayerIds = Annotated[tuple[NonNegativeInt, ...], Field(strict=False, min_length=1)]  # a list is taken too
 
 
@@ -62,6 +82,9 @@ class DrafterKeys(ShapeKeys):
     attention_bias: Bool | None = None
     retrace_config: dict | None = None  # checked by ReTraceConfig.from_hf
     draft_vocab_size: PositiveInt | None = None
+    layer_types: list[str] | None = None  # None: every layer full attention (older configs)
+    sliding_window: Int | None = None  # read only when a layer is "sliding_attention" (see DrafterConfig)
+    use_sliding_window: Bool | None = None  # transformers' Qwen3Config drops sliding_window unless it is true
 
 
 @config_dataclass(kw_only=True)
@@ -75,10 +98,29 @@ class DrafterConfig(DecoderShape):
     attention_bias: Bool = False
     retrace: ReTraceConfig | None = None  # set for a ReTrace drafter
     draft_vocab_size: PositiveInt | None = None  # U: proposals come from U token ids (retrace_jax/models/draft_vocab.py)
+    # One of LAYER_TYPES per layer (None: all "full_attention"); "sliding_attention" layers see the context
+    # through a window of sliding_window positions (see window_start). sliding_window None leaves them full,
+    # as the official model does when config.json's use_sliding_window is not true (from_hf).
+    layer_types: Annotated[tuple[str, ...], Field(strict=False)] | None = None
+    sliding_window: PositiveInt | None = None
 
     def __post_init__(self):
         super().__post_init__()
         problems = []
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                problems.append(f"layer_types has {len(self.layer_types)} entries for num_hidden_layers "
+                                f"{self.num_layers} (one per drafter layer)")
+            problems += [f"layer_types[{i}]: {kind!r} is not implemented; retrace-jax implements "
+                         f"{' and '.join(map(repr, LAYER_TYPES))}"
+                         for i, kind in enumerate(self.layer_types) if kind not in LAYER_TYPES]
+            sliding = [i for i, kind in enumerate(self.layer_types) if kind == "sliding_attention"]
+            if sliding and self.sliding_window is not None and self.sliding_window < self.block_size:
+                # The official window is symmetric (|query - key| < sliding_window, see window_start): one
+                # smaller than the block would hide some of the block's own keys, which the decode path shows
+                # to every block query.
+                problems.append(f"sliding_window: {self.sliding_window} is smaller than block_size "
+                                f"{self.block_size}; a sliding window must hold a whole block")
         if self.mask_token_id >= self.vocab_size:
             problems.append(f"mask_token_id {self.mask_token_id} is not a token id of vocab_size {self.vocab_size}")
         bad = [i for i in self.target_layer_ids if i >= self.num_target_layers]
@@ -109,6 +151,12 @@ class DrafterConfig(DecoderShape):
     def num_features(self) -> int:
         return len(self.target_layer_ids)
 
+    def window(self, layer: int) -> int | None:
+        """The sliding window of drafter layer ``layer``; None for a full-attention layer."""
+        if self.layer_types is None or self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "DrafterConfig":
         if not isinstance(hf.get("dflash_config"), dict):
@@ -118,8 +166,21 @@ class DrafterConfig(DecoderShape):
         layer_ids = keys.dflash_config.target_layer_ids or default_target_layer_ids(
             keys.num_target_layers, shape["num_layers"]
         )
+        types = None if keys.layer_types is None else tuple(keys.layer_types)
+        if types == ("full_attention",) * shape["num_layers"]:  # as a config without the key (to_hf writes both)
+            types = None
+        sliding = types is not None and "sliding_attention" in types
+        window = None
+        if sliding and keys.use_sliding_window:  # else the official model (Qwen3Config) has no window: full
+            if keys.sliding_window is None or keys.sliding_window < 1:
+                raise ConfigError(f"sliding_window: layer_types has sliding_attention layers and "
+                                  f"use_sliding_window is true, which needs a positive integer sliding_window; "
+                                  f"got {keys.sliding_window!r}")
+            window = keys.sliding_window
         return cls(
             **shape,
+            layer_types=types,
+            sliding_window=window,  # unused (and unchecked) without a sliding layer
             block_size=keys.block_size,
             mask_token_id=keys.dflash_config.mask_token_id,
             target_layer_ids=tuple(layer_ids),
@@ -139,7 +200,7 @@ class DrafterConfig(DecoderShape):
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
             **self.shape_to_hf(),
             "num_target_layers": self.num_target_layers,
-            "layer_types": ["full_attention"] * self.num_layers,
+            "layer_types": list(self.layer_types or ["full_attention"] * self.num_layers),
             "tie_word_embeddings": False,
             "attention_bias": self.attention_bias,
         }
@@ -147,6 +208,9 @@ class DrafterConfig(DecoderShape):
             hf["retrace_config"] = self.retrace.to_hf()
         if self.draft_vocab_size is not None:  # its ids are in draft_vocab.safetensors
             hf["draft_vocab_size"] = self.draft_vocab_size
+        if self.sliding_window is not None:
+            hf["use_sliding_window"] = True  # else transformers' Qwen3Config drops sliding_window
+            hf["sliding_window"] = self.sliding_window
         return hf
 
 
@@ -204,18 +268,29 @@ class DFlashDrafter(nnx.Module):
 
     def forward(self, emb_btd, positions_bt, ctx_kv, mask_bt_st, remat: bool = False):
         """Block states against explicit per-layer context ``(k, v)`` and a mask ``[B, T, S + T]``
-        (``mask[:, :, :S]`` covers the context, the rest the block's own keys): training's path."""
+        (``mask[:, :, :S]`` covers the context, the rest the block's own keys): training's path.
+
+        The context keys are those of positions ``0..S-1`` (as ``sequence_context`` makes them). A
+        sliding-attention layer also hides every key more than its window away from the query
+        (:func:`window_start`), the block's own keys at ``positions`` included."""
+        s = ctx_kv[0][0].shape[1]
+        key_positions = jnp.concatenate(
+            [jnp.broadcast_to(jnp.arange(s, dtype=positions_bt.dtype), (positions_bt.shape[0], s)), positions_bt], 1)
+        distance = jnp.abs(positions_bt[:, :, None] - key_positions[:, None, :])  # [B, T, S + T]
 
         def attend_at(i):
             ctx_k, ctx_v = ctx_kv[i]
-            return lambda q, k, v: (attention_beside_context(q, k, v, ctx_k, ctx_v, mask_bt_st), None)
+            window = self.cfg.window(i)
+            mask = mask_bt_st if window is None else mask_bt_st & (distance < window)
+            return lambda q, k, v: (attention_beside_context(q, k, v, ctx_k, ctx_v, mask), None)
 
         return self.run_layers(emb_btd, positions_bt, attend_at, remat)
 
     def draft(self, emb_btd, cache: KVCache, memory: Memory | None = None, beta=1.0, attention: str = "auto"):
         """Drafts one block per row at positions ``cache.lengths[b] + 0..T-1``: every block token sees
-        the row's committed context (the cache below its length) and the whole block. ``memory``
-        (ReTrace drafters) is fused into the block's embeddings first."""
+        the row's committed context (the cache below its length; in a sliding-attention layer only from
+        :func:`window_start` on) and the whole block. ``memory`` (ReTrace drafters) is fused into the
+        block's embeddings first."""
         if memory is not None:
             emb_btd = self.retrace(emb_btd.astype(self.dtype), memory, beta)
         b, t, _ = emb_btd.shape
@@ -223,8 +298,10 @@ class DFlashDrafter(nnx.Module):
         limit = jnp.broadcast_to(cache.lengths[:, None], (b, t))
 
         def attend_at(i):
-            return lambda q, k, v: (cached_attention(q, cache.k, cache.v, i, limit, k, v, implementation=attention),
-                                    None)
+            window = self.cfg.window(i)
+            start = None if window is None else window_start(positions, window)
+            return lambda q, k, v: (cached_attention(q, cache.k, cache.v, i, limit, k, v, start_bt=start,
+                                                     implementation=attention), None)
 
         return self.run_layers(emb_btd, positions, attend_at)
 
