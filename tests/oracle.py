@@ -87,7 +87,7 @@ class Oracle:
         horizon = max_new_tokens + 2 * block_size
         truth = rj.generate(target, prompts, horizon, **generate_kwargs).tokens
         base = rj.init_drafter(target.cfg, mask_token_id=target.cfg.vocab_size - 1, num_layers=1,
-                               block_size=block_size, retrace=rj.ReTraceConfig() if retrace else None,
+                               block_size=block_size, retrace=_retrace_config(retrace),
                                draft_vocab=draft_vocab, dtype=target.dtype, seed=seed)
         head = np.asarray(jax.device_get(target.head_weight()), np.float32)
         ids = np.arange(target.cfg.vocab_size) if draft_vocab is None else np.asarray(draft_vocab)
@@ -149,3 +149,9 @@ def _error_positions(prompt_len: int, length: int, j: int, schedule: list[int]) 
         i += 1
     return wrong
 
+
+def _retrace_config(retrace) -> "rj.ReTraceConfig | None":
+    """``retrace``: False (DFlash), True (the default ReTrace module) or a ``ReTraceConfig``."""
+    if isinstance(retrace, rj.ReTraceConfig):
+        return retrace
+    return rj.ReTraceConfig() if retrace else None

@@ -184,6 +184,12 @@ def speculative_round(models, consts: RoundConstants, c: SpecCarry) -> tuple[Spe
     new_start = jnp.where(active & ~buf.done, start + a + 1, start)
     draft_cache = drafter.extend_cache(out.features, c.draft_cache)
     next_anchor = jnp.take_along_axis(tokens, a[:, None], axis=1)[:, 0]
+    memory = None
+    if c.memory is not None:
+        agreed = None
+        if drafter.cfg.retrace.slots == "agreed":  # the target's own tokens, whatever the sampling
+            agreed = proposals == argmax(target_logits)[:, :-1]
+        memory = shift_memory(draft_hidden, out.hidden.astype(drafter.dtype), a, agreed)
     rows = jnp.arange(batch)
     accept = c.accept_br.at[rows, jnp.where(active, c.rounds_b, capacity)].set(a + 1, mode="drop")
     carry = SpecCarry(
@@ -193,7 +199,7 @@ def speculative_round(models, consts: RoundConstants, c: SpecCarry) -> tuple[Spe
         anchor_b=jnp.where(active, next_anchor, c.anchor_b),
         accept_br=accept,
         rounds_b=c.rounds_b + active.astype(jnp.int32),
-        memory=None if c.memory is None else shift_memory(draft_hidden, out.hidden.astype(drafter.dtype), a),
+        memory=memory,
     )
     full_logits = to_full_vocab(head, draft_logits, target.cfg.vocab_size)  # for drivers; unused in the loop
     return carry, RoundInfo(active, start, a, proposals, tokens, full_logits)

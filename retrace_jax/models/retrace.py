@@ -25,6 +25,8 @@ from retrace_jax.validation import STRICT, Bool, PositiveInt, config_dataclass, 
 
 SIGNALS = ("drafter", "target", "both")
 Signals = Literal[SIGNALS]
+SLOTS = ("all", "agreed")
+Slots = Literal[SLOTS]
 
 
 @config_dataclass
@@ -34,6 +36,9 @@ class ReTraceConfig:
     signals: Signals = "both"  # which rejected states enter the correction
     rank: PositiveInt | None = None  # low-rank factorisation of W_c, W_v, W_g
     gate: Bool = True  # sigmoid gate on the residual
+    # which rejected slots the memory keeps: "all" (the paper's design) or "agreed", only those where the
+    # drafter's rejected token equals the target's own (argmax) token there in the same verify pass
+    slots: Slots = "all"
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any] | None) -> "ReTraceConfig | None":
@@ -42,10 +47,10 @@ class ReTraceConfig:
         if hf is None or hf == {}:
             return None
         keys = validated(ReTraceKeys, hf, parent="retrace_config")
-        return cls(keys.signals, keys.rank, keys.gate) if keys.enabled else None
+        return cls(keys.signals, keys.rank, keys.gate, keys.slots) if keys.enabled else None
 
     def to_hf(self) -> dict[str, Any]:
-        return {"enabled": True, "signals": self.signals, "rank": self.rank, "gate": self.gate}
+        return {"enabled": True, "signals": self.signals, "rank": self.rank, "gate": self.gate, "slots": self.slots}
 
 
 class ReTraceKeys(BaseModel):
@@ -57,6 +62,7 @@ class ReTraceKeys(BaseModel):
     signals: Signals = "both"
     rank: PositiveInt | None = None
     gate: Bool = True
+    slots: Slots = "all"  # absent in checkpoints written before it existed: their design, "all"
 
 
 class Projection(nnx.Module):
@@ -116,15 +122,24 @@ class Memory:
                    jnp.zeros((batch, block_size), bool))
 
 
-def shift_memory(draft_hidden_bwd, target_hidden_bwd, accepted_b) -> Memory:
+def shift_memory(draft_hidden_bwd, target_hidden_bwd, accepted_b, agreed_bj=None) -> Memory:
     """The next round's memory after ``a`` acceptances: slot ``j`` takes drafter slot ``a+1+j`` and
-    verify slot ``a+j``, valid for ``1 <= j <= W-2-a`` (gathers on clipped indices; no gradient)."""
+    verify slot ``a+j``, valid for ``1 <= j <= W-2-a`` (gathers on clipped indices; no gradient).
+
+    ``agreed_bj`` (``ReTraceConfig.slots == "agreed"``): ``[B, W-1]``, whether the proposal of block slot
+    ``i+1`` equals the target's own (argmax) token from verify slot ``i``, which scored it; slot ``j`` is
+    then kept only where ``agreed[a+j]`` holds. Why (``docs/retrace.md``, "Slots"): past the lab drafter's
+    training length the paper's memory made its drafts worse, through its own rejected states; where the
+    target disagreed with them they were mostly wrong, and the next draft copied them."""
     w = draft_hidden_bwd.shape[1]
     j = jnp.arange(w)[None, :]
     a = accepted_b[:, None]
     valid = (j >= 1) & (j <= w - 2 - a)
+    if agreed_bj is not None:
+        valid &= jnp.take_along_axis(agreed_bj, jnp.clip(a + j, 0, w - 2), axis=1)
     idx_d = jnp.clip(a + 1 + j, 0, w - 1)
     idx_t = jnp.clip(a + j, 0, w - 1)
     mem_d = jnp.take_along_axis(draft_hidden_bwd, idx_d[..., None], axis=1)
     mem_t = jnp.take_along_axis(target_hidden_bwd, idx_t[..., None], axis=1)
     return jax.lax.stop_gradient(Memory(mem_d, mem_t, valid))
+

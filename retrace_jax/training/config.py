@@ -34,7 +34,7 @@ from pydantic import (
 
 from retrace_jax.errors import ConfigError
 from retrace_jax.models.drafter import BlockSize
-from retrace_jax.models.retrace import Signals
+from retrace_jax.models.retrace import Signals, Slots
 from retrace_jax.parallel.sharding import parse_mesh_spec
 from retrace_jax.training.retrace_loss import CORRECTION_SOURCES
 from retrace_jax.training.step import OBJECTIVES
@@ -173,6 +173,9 @@ class RetraceSection(Section):
     signals: Signals = doc("which rejected states enter the correction: drafter, target or both", "both")
     rank: PositiveInt | None = doc("low-rank factorisation of the ReTrace projections; null: full rank")
     gate: Bool = doc("sigmoid gate on the residual", True)
+    slots: Slots = doc("which rejected slots the memory keeps: all (the paper's design), or agreed: only where the "
+                       "drafter's rejected token equals the target's own token from the same verify pass "
+                       "(docs/retrace.md, \"Slots\")", "all")
 
 
 class TrainSection(Section):
@@ -187,6 +190,8 @@ class TrainSection(Section):
     warmup_frac: NonNegativeFloat = doc("linear warm-up, as a fraction of the optimizer updates; then cosine decay",
                                         0.04, lt=1)
     weight_decay: NonNegativeFloat = doc("AdamW weight decay", 0.0)
+    retrace_lr_multiplier: PositiveFloat = doc("retrace objective: the ReTrace module's learning rate as a multiple "
+                                               "of lr (it starts at zero inside a trained drafter)", 1.0)
     clip: PositiveFloat = doc("global gradient-norm clip (> 0)", 1.0)
     grad_accum: PositiveInt = doc("micro-steps averaged into one optimizer update", 1)
     compute_dtype: Literal[COMPUTE_DTYPES] = doc("float32, or bfloat16 (bf16 copies of the float32 master weights)",

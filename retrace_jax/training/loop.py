@@ -118,7 +118,8 @@ def step_options(cfg: TrainConfig) -> StepOptions:
 
 def optimizer_for(cfg: TrainConfig):
     t = cfg.train
-    return adamw(t.lr, t.steps, t.warmup_frac, t.weight_decay, t.clip, t.grad_accum)
+    return adamw(t.lr, t.steps, t.warmup_frac, t.weight_decay, t.clip, t.grad_accum,
+                 t.retrace_lr_multiplier if t.objective == "retrace" else 1.0)
 
 
 def run_settings(cfg: TrainConfig, drafter, num_sequences: int) -> dict:
@@ -133,6 +134,7 @@ def run_settings(cfg: TrainConfig, drafter, num_sequences: int) -> dict:
         "seed": t.seed, "objective": t.objective, "batch_size": t.batch_size, "seq_len": t.seq_len, "steps": t.steps,
         "grad_accum": t.grad_accum, "num_anchors": t.num_anchors, "lr": t.lr, "warmup_frac": t.warmup_frac,
         "weight_decay": t.weight_decay, "clip": t.clip, "gamma": t.gamma, "round1_weight": weights[0],
+        "retrace_lr_multiplier": t.retrace_lr_multiplier if retrace else None,
         "rounds": t.rounds if retrace else None, "round_weights": list(weights) if retrace else None,
         "correction_source": t.correction_source, "beta_warmup_steps": t.beta_warmup_steps,
         "compute_dtype": t.compute_dtype, "memory_dtype": t.memory_dtype, "block_size": drafter_cfg.block_size,

@@ -132,8 +132,16 @@ def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss
         else:
             idx = jnp.minimum(blocks.positions_baw, s - 1).reshape(b, -1)
             target_states = jnp.take_along_axis(seq.hidden, idx[..., None], axis=1).reshape(b, a_count, k, -1)
+        agreed = None
+        if cfg.retrace is not None and cfg.retrace.slots == "agreed":
+            # the target's own tokens where its states scored the proposals: the argmax of the verify pass, or
+            # with teacher states the sequence itself
+            own = (jnp.argmax(target.logits(target_states[:, :, :-1]), -1) if correction_source == "verify"
+                   else blocks.labels_baw[:, :, 1:])
+            agreed = (proposals == own).reshape(b * a_count, k - 1)
         memory = shift_memory(hidden.reshape(b * a_count, k, -1),
-                              target_states.reshape(b * a_count, k, -1).astype(hidden.dtype), accepted.reshape(-1))
+                              target_states.reshape(b * a_count, k, -1).astype(hidden.dtype), accepted.reshape(-1),
+                              agreed)
         memory = jax.tree.map(lambda x: x.reshape((b, a_count * k) + x.shape[2:]), memory)
         if memory_dtype is not None:  # stored in memory_dtype, used in the compute dtype
             memory = memory.replace(mem_d=memory.mem_d.astype(memory_dtype).astype(memory.mem_d.dtype),

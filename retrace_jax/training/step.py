@@ -62,9 +62,12 @@ class StepOptions:
 
 
 def adamw(lr: float, steps: int, warmup_frac: float = 0.04, weight_decay: float = 0.0, clip: float = 1.0,
-          grad_accum: int = 1):
+          grad_accum: int = 1, retrace_lr_multiplier: float = 1.0):
     """AdamW with linear warm-up, cosine decay and global-norm clipping (the DFlash recipe); with
-    ``grad_accum > 1`` gradients of that many consecutive steps are averaged into one update."""
+    ``grad_accum > 1`` gradients of that many consecutive steps are averaged into one update. The
+    ReTrace module's updates (parameters under ``retrace``) are scaled by ``retrace_lr_multiplier``: its
+    learning rate is that multiple of the rest's (its weight decay with it, as AdamW scales decay by the
+    rate)."""
     if not (isinstance(lr, (int, float)) and 0 < lr < float("inf")):
         raise ValueError(f"lr must be a positive number, got {lr!r}")
     if not (isinstance(clip, (int, float)) and 0 < clip < float("inf")):
@@ -72,7 +75,21 @@ def adamw(lr: float, steps: int, warmup_frac: float = 0.04, weight_decay: float 
     updates = max(2, steps // max(1, grad_accum))
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, int(warmup_frac * updates)), updates)
     opt = optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay))
+    if not (isinstance(retrace_lr_multiplier, (int, float)) and 0 < retrace_lr_multiplier < float("inf")):
+        raise ValueError(f"retrace_lr_multiplier must be a positive number, got {retrace_lr_multiplier!r}")
+    if retrace_lr_multiplier != 1.0:  # (1.0 keeps the optimizer state of runs before the option existed)
+        scale = optax.multi_transform({"retrace": optax.scale(retrace_lr_multiplier), "rest": optax.identity()},
+                                      retrace_labels)
+        opt = optax.chain(opt, scale)
     return optax.MultiSteps(opt, grad_accum) if grad_accum > 1 else opt
+
+
+def retrace_labels(params):
+    """``"retrace"`` for the ReTrace module's parameters, ``"rest"`` for every other one."""
+    def label(path, _):
+        return "retrace" if any(getattr(key, "key", None) == "retrace" for key in path) else "rest"
+
+    return jax.tree_util.tree_map_with_path(label, params)
 
 
 def loss_fn(drafter_state, drafter_def, target, tokens_bs, loss_mask_bs, step, seed, opts: StepOptions,

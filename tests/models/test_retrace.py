@@ -39,6 +39,20 @@ def test_buffer_entries_hold_the_same_absolute_position(case):
             assert float(mem_t[j, 0]) == next_start + j
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from(BLOCK_SIZES).flatmap(lambda k: st.tuples(
+    st.just(k), st.integers(0, k - 1), st.lists(st.booleans(), min_size=k - 1, max_size=k - 1))))
+def test_agreed_slots_keep_only_the_slots_whose_proposal_the_target_shared(case):
+    """``slots="agreed"``: next-round slot ``j`` is kept where it would be anyway and the proposal it
+    carries (block slot ``a+1+j``, proposal index ``a+j``) equalled the target's token there."""
+    k, a, agreed = case
+    hd = np.arange(k, dtype=np.float32)[None, :, None]
+    every = np.asarray(jit_shift_memory(hd, hd, np.asarray([a], np.int32)).valid)[0]
+    some = np.asarray(jit_shift_memory(hd, hd, np.asarray([a], np.int32), np.asarray([agreed])).valid)[0]
+    for j in range(k):
+        assert bool(some[j]) == (bool(every[j]) and agreed[a + j]), (j, a)
+
+
 def _fusion(signals="both", rank=None, gate=True, seed=0):
     f = ReTraceFusion(rj.ReTraceConfig(signals=signals, rank=rank, gate=gate), 8, 8, rngs=nnx.Rngs(seed))
     graphdef, state = nnx.split(f)
@@ -114,7 +128,7 @@ def test_batched_retrace_rows_equal_rows_alone(qwen3, dflash_dir, trained_drafte
         assert (alone.tokens[0], alone.acceptance_lengths[0]) == (batched.tokens[i], batched.acceptance_lengths[i])
 
 
-@pytest.mark.parametrize("cfg", [rj.ReTraceConfig(), rj.ReTraceConfig(signals="drafter", rank=4, gate=False)])
+@pytest.mark.parametrize("cfg", [rj.ReTraceConfig(), rj.ReTraceConfig(signals="drafter", rank=4, gate=False, slots="agreed")])
 def test_retrace_checkpoint_round_trip(qwen3, dflash_dir, tmp_path, cfg):
     base = rj.load_drafter(dflash_dir, qwen3)
     import dataclasses
@@ -123,13 +137,37 @@ def test_retrace_checkpoint_round_trip(qwen3, dflash_dir, tmp_path, cfg):
     rj.save_drafter(drafter, str(tmp_path))
     with open(tmp_path / "config.json") as f:
         assert json.load(f)["retrace_config"] == {"enabled": True, "signals": cfg.signals, "rank": cfg.rank,
-                                                  "gate": cfg.gate}
+                                                  "gate": cfg.gate, "slots": cfg.slots}
     loaded = rj.load_drafter(str(tmp_path), qwen3)
     assert loaded.cfg == drafter.cfg
     for (p, a), (_, b) in zip(nnx.to_flat_state(nnx.state(drafter)), nnx.to_flat_state(nnx.state(loaded))):
         np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(p))
     # Loaded as plain DFlash, the extra tensors are ignored.
     assert rj.load_drafter(str(tmp_path), qwen3, retrace=False).cfg.retrace is None
+
+
+def test_a_checkpoint_without_slots_keeps_the_design_it_was_trained_with(qwen3, dflash_dir, tmp_path):
+    """``retrace_config`` written before ``slots`` existed loads as ``slots="all"``; an unknown value is
+    refused with the field's name."""
+    import dataclasses
+    import shutil
+
+    base = rj.load_drafter(dflash_dir, qwen3)
+    rj.save_drafter(rj.DFlashDrafter(dataclasses.replace(base.cfg, retrace=rj.ReTraceConfig()), rngs=nnx.Rngs(0)),
+                    str(tmp_path / "d"))
+    for value, expect in ((None, "all"), ("agreed", "agreed"), ("some", None)):
+        shutil.copytree(tmp_path / "d", tmp_path / str(value), symlinks=False)
+        path = tmp_path / str(value) / "config.json"
+        hf = json.loads(path.read_text())
+        hf["retrace_config"].pop("slots")
+        if value is not None:
+            hf["retrace_config"]["slots"] = value
+        path.write_text(json.dumps(hf))
+        if expect is None:
+            with pytest.raises(rj.ConfigError, match=r"retrace_config\.slots: must be 'all' or 'agreed', got 'some'"):
+                rj.load_drafter(str(tmp_path / str(value)), qwen3)
+        else:
+            assert rj.load_drafter(str(tmp_path / str(value)), qwen3).cfg.retrace.slots == expect
 
 
 def test_reference_pytorch_loads_the_dflash_part(qwen3, dflash_dir, tmp_path):

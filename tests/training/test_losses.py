@@ -101,8 +101,18 @@ def rollout_case(qwen3, trained_drafter):
     loss mask, anchors (the last ones so near the end that later rounds run past the sequence), a
     stepper that runs real inference rounds, and ``observe(carry)``: the drafter's states of the round
     about to run and the teacher-forced target states of its block."""
+    return _rollout_case(qwen3, trained_drafter, rj.ReTraceConfig())
+
+
+@pytest.fixture(scope="module")
+def rollout_case_agreed(qwen3, trained_drafter):
+    """The same with ``slots="agreed"``: the memory keeps only slots whose proposal the target shared."""
+    return _rollout_case(qwen3, trained_drafter, rj.ReTraceConfig(slots="agreed"))
+
+
+def _rollout_case(qwen3, trained_drafter, retrace: rj.ReTraceConfig):
     dflash, prompts = trained_drafter
-    cfg = dataclasses.replace(dflash.cfg, retrace=rj.ReTraceConfig())
+    cfg = dataclasses.replace(dflash.cfg, retrace=retrace)
     graphdef, state = nnx.split(rj.DFlashDrafter(cfg, rngs=nnx.Rngs(0)))
     flat = dict(nnx.to_flat_state(state))
     for path, var in nnx.to_flat_state(nnx.state(dflash)):
@@ -160,14 +170,16 @@ def test_two_rounds_compute_the_two_round_rollout(qwen3, rollout_case, source):
     np.testing.assert_allclose(float(loss), float(m2.loss) + 0.25 * float(m1.loss), rtol=1e-6)
 
 
-@pytest.mark.parametrize("rounds", [2, 4])
-@pytest.mark.parametrize("source", ["verify", "teacher"])
-def test_rollout_equals_inference_rounds(qwen3, rollout_case, source, rounds):
+@pytest.mark.parametrize("case,source,rounds", [
+    ("rollout_case", "verify", 2), ("rollout_case", "verify", 4), ("rollout_case", "teacher", 2),
+    ("rollout_case", "teacher", 4), ("rollout_case_agreed", "verify", 4), ("rollout_case_agreed", "teacher", 4)])
+def test_rollout_equals_inference_rounds(qwen3, request, case, source, rounds):
     """The training rollout against ``rounds`` real inference rounds (``speculative_round`` through the
     stepper), every anchor a row whose prompt is the sequence up to it: the anchors, ``a``, the drafter's
     states and the memory of every round. With ``teacher`` the stepper's memory takes the teacher-forced
-    target states of its round's block in place of the verify pass's (what that source trains)."""
-    drafter, seq, anchors, loss_mask, (stepper, observe) = rollout_case
+    target states of its round's block in place of the verify pass's (what that source trains). With
+    ``slots="agreed"`` the rollout drops the same memory slots as inference (some kept, some dropped)."""
+    drafter, seq, anchors, loss_mask, (stepper, observe) = request.getfixturevalue(case)
     k, s_len = drafter.cfg.block_size, seq.shape[1]
     (ddef, dstate), (tdef, tstate) = nnx.split(drafter), nnx.split(qwen3)
     roll = jax.jit(lambda dstate, tstate, *arrays: retrace_rollout(
@@ -179,6 +191,7 @@ def test_rollout_equals_inference_rounds(qwen3, rollout_case, source, rounds):
                  _pad_stops([], qwen3.cfg.vocab_size), SamplingParams.make(0.0, 0, 1.0, 0))
     inside = np.ones(rows, bool)  # rows whose rounds so far lie wholly inside the sequence
     counts = set()
+    kept_dropped = [0, 0]  # memory slots kept, and slots the agreement rule dropped
     for r in range(rounds):
         hidden, teacher = observe(stepper.carry)
         info = stepper.step()
@@ -199,16 +212,27 @@ def test_rollout_equals_inference_rounds(qwen3, rollout_case, source, rounds):
             memory = stepper.carry.memory
             if source == "teacher":
                 memory = memory.replace(mem_t=shift_memory(teacher, teacher, info.accepted_b).mem_t)
+                if case == "rollout_case_agreed":  # with teacher states the target's own tokens are the sequence
+                    at = np.minimum(start[:, None] + 1 + np.arange(k - 1), s_len - 1)
+                    agreed = np.asarray(info.proposals_bj) == seq[0][at]
+                    memory = memory.replace(valid=shift_memory(teacher, teacher, info.accepted_b, agreed).valid)
                 stepper.carry = stepper.carry.replace(memory=memory)
             got = roll.memories[r]
             for i in np.flatnonzero(inside & (start + a + 1 < s_len)):  # the next round is valid
                 v = np.asarray(memory.valid[i])
+                positional = (np.arange(k) >= 1) & (np.arange(k) <= k - 2 - a[i])
+                kept_dropped[0] += int(v.sum())
+                kept_dropped[1] += int((positional & ~v).sum())
                 np.testing.assert_array_equal(np.asarray(got.valid[0, sl(i)]), v)
                 np.testing.assert_allclose(np.asarray(got.mem_d[0, sl(i)])[v], np.asarray(memory.mem_d[i])[v],
                                            atol=5e-5)
                 np.testing.assert_allclose(np.asarray(got.mem_t[0, sl(i)])[v], np.asarray(memory.mem_t[i])[v],
                                            atol=5e-5)
     assert len(counts) > 1  # several acceptance counts were exercised
+    # The agreement rule dropped slots, and kept some where it could (the tiny target's verify pass, after a
+    # wrong token, rarely shares the drafter's later proposals; the sequence itself often does).
+    agreed = case == "rollout_case_agreed"
+    assert (kept_dropped[1] > 0) == agreed and (kept_dropped[0] > 0 or (agreed and source == "verify")), kept_dropped
     # Rounds past the sequence are masked, and so is the memory fused into them.
     for r in range(1, rounds):
         unclipped = np.asarray(roll.anchors[r - 1]) + np.asarray(roll.accepted[r - 1]) + 1
@@ -269,3 +293,27 @@ def test_retained_states_are_detached_and_can_be_stored_in_float16(qwen3):
     # Detached: nothing flows back into the drafter through any round's memory.
     grads = jax.jit(jax.grad(lambda st: sum(jnp.sum(m.mem_d) + jnp.sum(m.mem_t) for m in memories(st))))(state)
     assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves(grads))
+
+
+def test_the_retrace_module_learns_at_its_own_rate(qwen3):
+    """``retrace_lr_multiplier``: the ReTrace module's updates are that multiple of what they would be,
+    every other parameter's are unchanged (same gradients, one update after the warm-up)."""
+    import optax
+
+    from retrace_jax.training.step import adamw
+
+    drafter = rj.init_drafter(qwen3.cfg, mask_token_id=127, num_layers=1, block_size=4, retrace=rj.ReTraceConfig())
+    params = nnx.state(drafter, nnx.Param)
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 0.01), params)
+    updates = {}
+    for m in (1.0, 3.0):
+        opt = adamw(1e-2, 10, warmup_frac=0.0, retrace_lr_multiplier=m)
+        updates[m], _ = opt.update(grads, opt.init(params), params)
+    for (path, one), (_, three) in zip(nnx.to_flat_state(updates[1.0]), nnx.to_flat_state(updates[3.0])):
+        scale = 3.0 if "retrace" in path else 1.0
+        np.testing.assert_allclose(np.asarray(three.get_value()), scale * np.asarray(one.get_value()), rtol=1e-6,
+                                   err_msg=str(path))
+    assert any("retrace" in p for p, _ in nnx.to_flat_state(updates[1.0]))
+    with pytest.raises(ValueError, match="retrace_lr_multiplier must be a positive number"):
+        adamw(1e-2, 10, retrace_lr_multiplier=0.0)
+    assert isinstance(adamw(1e-2, 10), optax.GradientTransformation)
