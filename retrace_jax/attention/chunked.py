@@ -48,7 +48,9 @@ def walk_cache(q_btkgd, limit_bt, *, k_lbskd, v_lbskd, layer, chunk, extra, lo_b
         return jax.lax.fori_loop(first, last, one_chunk, state)
 
     top = jnp.max(limit_bt)
-    lo = 0 if lo_b is None else jnp.min(lo_b)
+    # A window's first slot is negative near the sequence start: walking from a negative chunk would read
+    # chunk 0 again (a dynamic slice clamps its start) and count its keys twice, under negative slot numbers.
+    lo = 0 if lo_b is None else jnp.maximum(jnp.min(lo_b), 0)
 
     def bounds(size, start, end):  # the chunks of ``size`` from the one holding slot start to slot end
         first, last = start // size, (end + size - 1) // size

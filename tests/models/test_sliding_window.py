@@ -154,6 +154,20 @@ def test_cached_draft_matches_reference(sliding, full, reference, attention):
         assert np.abs(control[b] - want).max() > 1e-3
 
 
+@pytest.mark.parametrize("attention", ["chunked", "dense"])
+def test_a_window_longer_than_the_context_changes_nothing(full, attention):
+    """Every position below the window: each query's first visible slot is negative, and every context
+    key is seen, once (the walk once read chunk 0 again for each negative chunk before it)."""
+    wide = with_layer_types(full, TYPES, 300)
+    rng = np.random.RandomState(4)
+    d = full.cfg.hidden_size
+    feats = jnp.asarray(rng.randn(2, 140, 2 * d).astype(np.float32))
+    emb = jnp.asarray(rng.randn(2, BLOCK, d).astype(np.float32))
+    cache = full.extend_cache(feats, full.init_cache(2, 300)).replace(lengths=jnp.asarray([9, 140], jnp.int32))
+    np.testing.assert_allclose(np.asarray(wide.draft(emb, cache, attention=attention)),
+                               np.asarray(full.draft(emb, cache, attention=attention)), atol=TOL, rtol=0)
+
+
 def test_windowed_cache_walk_equals_dense():
     """``start_bt`` (a first visible slot per query) through the chunked walk, over several chunks and in
     chunks of queries, equals the dense reference."""
@@ -163,7 +177,8 @@ def test_windowed_cache_walk_equals_dense():
     k, v = (jnp.asarray(rng.randn(1, b, s, kv, d).astype(np.float32)) for _ in range(2))
     ek, ev = (jnp.asarray(rng.randn(b, 3, kv, d).astype(np.float32)) for _ in range(2))
     limit = jnp.asarray([[40] * t, [9] * t], jnp.int32)
-    start = jnp.asarray([[20, 21, 22, 23, 24, 25], [0, 0, 1, 2, 3, 4]], jnp.int32)
+    # Near the sequence start a window's first slot is negative (window_start = p - w + 1): some queries here.
+    start = jnp.asarray([[20, 21, 22, 23, 24, 25], [-40, -17, -1, 0, 3, 4]], jnp.int32)
     want = cached_attention(q, k, v, 0, limit, ek, ev, start_bt=start, implementation="dense")
     for q_chunk in (512, 4):
         got = cached_attention(q, k, v, 0, limit, ek, ev, start_bt=start, implementation="chunked", kv_chunk=16,
