@@ -18,6 +18,11 @@ Variants (the hypothesis each one tests):
 - ``agreed`` / ``disagreed``: only the slots whose rejected proposal the target's verify pass shared, or
   only the others (``retrace.slots: agreed``; which slots carry the harm?).
 
+``--copy-rates`` adds a second table from the same drafter run round by round (``SpeculativeStepper``),
+memory on and off: at the positions a memory slot describes (the rejected suffix of the round before),
+how often the old, rejected proposal was right, how often the new draft repeats it, and how often the new
+draft is right, before and past ``--train-len``.
+
 Prompts: the held-out code of ``retrace_positions.py`` (optax and flax files, read from past their first
 third), 64 tokens with ``--long-new-tokens`` new ones, and ``--train-len`` tokens with ``--new-tokens``.
 """
@@ -47,16 +52,18 @@ VARIANTS = ("paper", "no_mem_t", "no_mem_d", "memory_free_states", "half_residua
             "disagreed")
 
 
-@dataclasses.dataclass
 class Patches:
-    """The round's functions that a variant replaces, restored after it."""
+    """The round's functions that a variant replaces (as they were at start), restored after it."""
 
-    fusion = retrace.ReTraceFusion.__call__
-    draft_block = speculative.draft_block
-    verify_round = speculative.verify_round
-    shift_memory = speculative.shift_memory
+    def __init__(self, drafter):
+        self.drafter, self.cfg = drafter, drafter.cfg
+        self.fusion = retrace.ReTraceFusion.__call__
+        self.draft_block = speculative.draft_block
+        self.verify_round = speculative.verify_round
+        self.shift_memory = speculative.shift_memory
 
     def restore(self):
+        self.drafter.cfg = self.cfg
         retrace.ReTraceFusion.__call__ = self.fusion
         speculative.draft_block, speculative.verify_round = self.draft_block, self.verify_round
         speculative.shift_memory = self.shift_memory
@@ -98,15 +105,42 @@ def apply(variant: str, drafter, train_len: int, saved: Patches):
 
         speculative.verify_round, speculative.shift_memory = verified, shifted
     elif variant == "window":
-        cfg = dataclasses.replace(drafter.cfg, layer_types=("sliding_attention",) * drafter.cfg.num_layers,
-                                  sliding_window=train_len)
-        windowed = rj.DFlashDrafter.__new__(rj.DFlashDrafter)
-        windowed.__dict__.update(drafter.__dict__)
-        windowed.cfg = cfg
-        return windowed
+        drafter.cfg = dataclasses.replace(drafter.cfg, layer_types=("sliding_attention",) * drafter.cfg.num_layers,
+                                          sliding_window=train_len)  # restored by Patches.restore
     elif variant != "paper":
         raise SystemExit(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
     return drafter
+
+
+def copy_rates(target, drafter, prompts, new_tokens: int, use_retrace: bool, train_len: int) -> dict:
+    """Over the positions each round's memory describes (next-round slots ``1..B-2-a``): counts of
+    positions, of old proposals that were right, of new drafts equal to the old proposal, and of new
+    drafts that are right; split into positions below and from ``train_len``."""
+    from retrace_jax.decoding.sampling import SamplingParams
+    from retrace_jax.decoding.speculative import SpeculativeStepper
+
+    k = drafter.cfg.block_size
+    rows, length = len(prompts), len(prompts[0])
+    stepper = SpeculativeStepper(target, drafter, capacity=new_tokens + k, block_size=k, use_retrace=use_retrace)
+    stepper.init(jnp.asarray(np.asarray(prompts, np.int32)), jnp.full((rows,), length, jnp.int32),
+                 jnp.ones((rows,), bool), np.int32(new_tokens), jnp.full((8,), -1, jnp.int32), SamplingParams.make())
+    rounds = []
+    while not stepper.done:
+        info = stepper.step()
+        rounds.append(tuple(np.asarray(x) for x in (info.active_b, info.start_b, info.accepted_b, info.proposals_bj)))
+    out, num = np.asarray(stepper.carry.buf.tokens), np.asarray(stepper.carry.buf.num)
+    counts = {"before": np.zeros(4, int), "past": np.zeros(4, int)}
+    for b in range(rows):
+        for (act0, start0, a0, prop0), (act1, start1, _, prop1) in zip(rounds, rounds[1:]):
+            if not act1[b]:
+                break
+            for j in range(1, k - 1 - a0[b]):  # next-round slot j: position start1 + j, old proposal a0 + j
+                pos = start1[b] + j
+                if pos - length >= num[b]:
+                    break
+                truth, old, fresh = out[b, pos - length], prop0[b, a0[b] + j], prop1[b, j - 1]
+                counts["past" if pos >= train_len else "before"] += (1, old == truth, fresh == old, fresh == truth)
+    return counts
 
 
 def main(argv=None):
@@ -119,6 +153,7 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=256, help="new tokens after the --train-len prompts")
     p.add_argument("--long-new-tokens", type=int, default=448, help="new tokens after the 64-token prompts")
     p.add_argument("--bin-width", type=int, default=128)
+    p.add_argument("--copy-rates", action="store_true", help="also the copy-rate table (see above)")
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -127,7 +162,7 @@ def main(argv=None):
     cases = [(64, args.long_new_tokens), (args.train_len, args.new_tokens)]
     longest = max(length + new for length, new in cases)
     files = code_prompts(tokenizer, [args.train_len], args.num_prompts, args.new_tokens)[args.train_len]
-    saved = Patches()
+    saved = Patches(drafter)
     edges = np.arange(0, longest + args.bin_width, args.bin_width)
     print(f"| variant | prompt | {' | '.join(f'{lo}-{hi - 1}' for lo, hi in zip(edges[:-1], edges[1:]))} |")
     print("|---|---|" + "---|" * (len(edges) - 1))
@@ -150,6 +185,17 @@ def main(argv=None):
                 r = paired_ratio(on_b[:, k], off_b[:, k])
                 cells.append(f"{r['tau_on']:.2f}/{r['tau_off']:.2f} = {r['ratio']:.3f}" if r["prompts"] else "")
             print(f"| {variant} | {length} + {new} | {' | '.join(cells)} |", flush=True)
+    if args.copy_rates:
+        jax.clear_caches()
+        print("\n| prompt | memory | positions | count | old proposal right | new draft = old | new draft right |")
+        print("|---|---|---|---|---|---|---|")
+        for length, new in cases:
+            for on in (True, False):
+                counts = copy_rates(target, drafter, [ids[:length] for ids in files], new, on, args.train_len)
+                for where, (n, old, same, fresh) in counts.items():
+                    if n:
+                        print(f"| {length} + {new} | {'on' if on else 'off'} | {where} {args.train_len} | {n} | "
+                              f"{old / n:.3f} | {same / n:.3f} | {fresh / n:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -129,8 +129,8 @@ def shift_memory(draft_hidden_bwd, target_hidden_bwd, accepted_b, agreed_bj=None
     ``agreed_bj`` (``ReTraceConfig.slots == "agreed"``): ``[B, W-1]``, whether the proposal of block slot
     ``i+1`` equals the target's own (argmax) token from verify slot ``i``, which scored it; slot ``j`` is
     then kept only where ``agreed[a+j]`` holds. Why (``docs/retrace.md``, "Slots"): past the lab drafter's
-    training length the paper's memory made its drafts worse, through its own rejected states; where the
-    target disagreed with them they were mostly wrong, and the next draft copied them."""
+    training length the paper's memory made its drafts worse, through its own rejected states, and the
+    slots where the target disagreed with them carried the harm."""
     w = draft_hidden_bwd.shape[1]
     j = jnp.arange(w)[None, :]
     a = accepted_b[:, None]
