@@ -142,4 +142,3 @@ def shift_memory(draft_hidden_bwd, target_hidden_bwd, accepted_b, agreed_bj=None
     mem_d = jnp.take_along_axis(draft_hidden_bwd, idx_d[..., None], axis=1)
     mem_t = jnp.take_along_axis(target_hidden_bwd, idx_t[..., None], axis=1)
     return jax.lax.stop_gradient(Memory(mem_d, mem_t, valid))
-
