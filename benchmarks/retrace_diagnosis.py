@@ -69,8 +69,8 @@ class Patches:
         speculative.shift_memory = self.shift_memory
 
 
-def apply(variant: str, drafter, train_len: int, saved: Patches):
-    """Installs ``variant`` (traced into the next compiled program); returns the drafter to run."""
+def apply(variant: str, drafter, train_len: int, saved: Patches) -> None:
+    """Installs ``variant`` (traced into the next compiled program); ``saved.restore()`` undoes it."""
     fusion, draft_block, verify_round, shift = saved.fusion, saved.draft_block, saved.verify_round, saved.shift_memory
     if variant in ("no_mem_t", "no_mem_d", "half_residual"):
         def fused(self, emb, memory, beta=1.0):
@@ -109,7 +109,6 @@ def apply(variant: str, drafter, train_len: int, saved: Patches):
                                           sliding_window=train_len)  # restored by Patches.restore
     elif variant != "paper":
         raise SystemExit(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
-    return drafter
 
 
 def copy_rates(target, drafter, prompts, new_tokens: int, use_retrace: bool, train_len: int) -> dict:
@@ -117,11 +116,10 @@ def copy_rates(target, drafter, prompts, new_tokens: int, use_retrace: bool, tra
     positions, of old proposals that were right, of new drafts equal to the old proposal, and of new
     drafts that are right; split into positions below and from ``train_len``."""
     from retrace_jax.decoding.sampling import SamplingParams
-    from retrace_jax.decoding.speculative import SpeculativeStepper
 
     k = drafter.cfg.block_size
     rows, length = len(prompts), len(prompts[0])
-    stepper = SpeculativeStepper(target, drafter, capacity=new_tokens + k, block_size=k, use_retrace=use_retrace)
+    stepper = speculative.SpeculativeStepper(target, drafter, capacity=new_tokens + k, block_size=k, use_retrace=use_retrace)
     stepper.init(jnp.asarray(np.asarray(prompts, np.int32)), jnp.full((rows,), length, jnp.int32),
                  jnp.ones((rows,), bool), np.int32(new_tokens), jnp.full((8,), -1, jnp.int32), SamplingParams.make())
     rounds = []
@@ -172,8 +170,8 @@ def main(argv=None):
             runs = {}
             for on in (True, False):  # the patches touch only the memory's path, so "off" is the DFlash path
                 jax.clear_caches()  # retrace: a compiled program of an earlier variant would be reused
-                runs[on] = rj.generate(target, prompts, new, drafter=apply(variant, drafter, args.train_len, saved),
-                                       use_retrace=on)
+                apply(variant, drafter, args.train_len, saved)
+                runs[on] = rj.generate(target, prompts, new, drafter=drafter, use_retrace=on)
                 saved.restore()
             if runs[True].tokens != runs[False].tokens:
                 raise SystemExit(f"{variant}: memory on and off gave different tokens")
