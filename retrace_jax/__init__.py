@@ -9,6 +9,7 @@ compiled loops), ``io`` (Hugging Face checkpoints), ``parallel`` (meshes, multi-
 __version__ = "0.2.0"
 
 from retrace_jax import assets
+from retrace_jax.decoding.buffers import clear_decode_buffers
 from retrace_jax.decoding.generation import GenerateOutput, generate
 from retrace_jax.decoding.programs import enable_compilation_cache
 from retrace_jax.errors import CheckpointError, ConfigError, DataError
@@ -33,6 +34,7 @@ __all__ = [
     "TargetModel",
     "__version__",
     "assets",
+    "clear_decode_buffers",
     "enable_compilation_cache",
     "generate",
     "init_drafter",

@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from retrace_jax.attention import IMPLEMENTATIONS
+from retrace_jax.decoding.buffers import POOL, take_spare
 from retrace_jax.decoding.layer_loop import decode_weights, resolve_layer_loop
 from retrace_jax.decoding.plain import plain_generate
 from retrace_jax.decoding.sampling import SamplingMode, SamplingParams
@@ -98,6 +99,10 @@ def generate(
     CPU and "scan" on accelerators. The unrolled loop's per-layer copy of the target's layer weights is
     made on the first call and kept while the target lives (twice the layer weights in memory, and a
     tied LM head once more; see ``retrace_jax.decoding.layer_loop.decode_weights``).
+
+    The KV caches of a call are kept for the next call of the same sizes (the caches of the last two
+    sizes; ``rj.clear_decode_buffers()`` frees them), so that a call does not allocate and first-touch
+    caches of its whole capacity; see ``retrace_jax/decoding/buffers.py``.
     """
     if not isinstance(target, TargetModel):
         raise TypeError(f"generate: target must be a TargetModel (rj.load_target, rj.tiny.tiny_target), got "
@@ -133,25 +138,35 @@ def generate(
     target_def, target_state = nnx.split(target)
     kept = decode_weights(target, layer_loop)
     max_new = np.int32(max_new_tokens)
+    prompt_len = tokens.shape[1]
+
+    def cache_of(model, max_len):  # what fixes a cache's shape, dtype and placement
+        return model.cfg, rows, max_len, model.dtype if cache_dtype is None else cache_dtype, mesh
+
     if drafter is None:
-        buf = plain_generate(target_def, target_state, tokens, lens, live, max_new, stops, sampling,
-                             capacity=capacity, mode=mode, mesh=mesh, cache_dtype=cache_dtype, attention=attention,
-                             layer_loop=layer_loop, kept=kept)
+        key, spare = take_spare([cache_of(target, prompt_len + capacity)])
+        buf, spare = plain_generate(target_def, target_state, tokens, lens, live, max_new, stops, sampling,
+                                    capacity=capacity, mode=mode, mesh=mesh, cache_dtype=cache_dtype,
+                                    attention=attention, layer_loop=layer_loop, kept=kept, spare=spare[0])
         out_tokens, num, non_finite = _fetch((buf.tokens, buf.num, buf.non_finite))
-        _check_finite(non_finite[:batch])
+        _check_finite(non_finite[:batch])  # caches that may hold non-finite values are not kept
+        POOL.put(key, (spare,))
         new = [out_tokens[b, : num[b]].tolist() for b in range(batch)]
         return GenerateOutput(tokens=new, acceptance_lengths=[[1] * len(t) for t in new])
 
     check_drafter_matches(drafter.cfg, target.cfg)
     block_size = drafter.cfg.block_size if block_size is None else block_size
     drafter_def, drafter_state = nnx.split(drafter)
-    buf, accept, rounds = speculative_generate(
+    max_len = prompt_len + capacity + block_size
+    key, spare = take_spare([cache_of(target, max_len), cache_of(drafter, max_len)])
+    buf, accept, rounds, spare = speculative_generate(
         target_def, target_state, drafter_def, drafter_state, tokens, lens, live, max_new, stops, sampling,
         capacity=capacity, block_size=block_size, use_retrace=use_retrace, mode=mode, mesh=mesh,
-        cache_dtype=cache_dtype, attention=attention, layer_loop=layer_loop, kept=kept,
+        cache_dtype=cache_dtype, attention=attention, layer_loop=layer_loop, kept=kept, spare=spare,
     )
     out_tokens, num, accept, rounds, non_finite = _fetch((buf.tokens, buf.num, accept, rounds, buf.non_finite))
     _check_finite(non_finite[:batch])
+    POOL.put(key, spare)
     return GenerateOutput(
         tokens=[out_tokens[b, : num[b]].tolist() for b in range(batch)],
         acceptance_lengths=[accept[b, : rounds[b]].tolist() for b in range(batch)],

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from retrace_jax.decoding.buffers import check_spare
 from retrace_jax.decoding.commit import OutputBuffer, commit, stop_non_finite
 from retrace_jax.decoding.layer_loop import decode_weights, merge_target
 from retrace_jax.decoding.programs import DecodeProgram
@@ -39,10 +40,15 @@ class StepConstants:
 
 
 def plain_init(model, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampling: SamplingParams, *, capacity,
-               mode: SamplingMode = SamplingMode(), mesh=None, cache_dtype=None, attention="auto"):
-    """Prefill and the first token of each row (key step 0)."""
+               mode: SamplingMode = SamplingMode(), mesh=None, cache_dtype=None, attention="auto", spare=None):
+    """Prefill and the first token of each row (key step 0), into ``spare`` (a cache of the right shape
+    whose contents are stale: see ``retrace_jax/decoding/buffers.py``) or a new empty cache."""
     batch, prompt_len = tokens_bp.shape
-    cache = model.init_cache(batch, prompt_len + capacity, cache_dtype).constrain(mesh)
+    if spare is None:
+        cache = model.init_cache(batch, prompt_len + capacity, cache_dtype).constrain(mesh)
+    else:
+        expected = jax.eval_shape(lambda: model.init_cache(batch, prompt_len + capacity, cache_dtype))
+        cache = check_spare(spare, expected, "plain_generate").constrain(mesh)
     logits_bv, cache, _ = prefill(model, tokens_bp, prompt_lens_b, cache, attention=attention)
     consts = StepConstants(row_keys(sampling.seed, batch), jnp.asarray(max_new, jnp.int32), stop_ids, sampling,
                            mode=mode, mesh=mesh, attention=attention)
@@ -64,23 +70,25 @@ def plain_step(model, consts: StepConstants, c: PlainCarry) -> PlainCarry:
 
 
 @functools.partial(DecodeProgram, static_argnames=("graphdef", "capacity", "mode", "mesh", "cache_dtype",
-                                                   "attention", "layer_loop"))
+                                                   "attention", "layer_loop"), donate_argnames=("spare",))
 def plain_generate(graphdef, state, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids,
                    sampling: SamplingParams, *, capacity, mode: SamplingMode = SamplingMode(), mesh=None,
-                   cache_dtype=None, attention="auto", layer_loop="auto", kept=None):
+                   cache_dtype=None, attention="auto", layer_loop="auto", kept=None, spare=None):
     """Greedy or sampled decoding of a right-padded batch; rows with ``live_b`` False are padding.
 
     Row ``b`` draws its ``n``-th token with ``fold_in(fold_in(PRNGKey(seed), b), n)``. With a ``mesh``
     the cache is sharded (batch over data, KV heads over tensor) like the parameters.
     An unrolled ``layer_loop`` takes the per-layer weights and the LM head from ``kept`` (see
     :func:`~retrace_jax.decoding.layer_loop.decode_weights`), or slices the layers itself when it is None.
-    Returns the output buffer (``capacity`` >= ``max_new`` slots per row).
+    Returns the output buffer (``capacity`` >= ``max_new`` slots per row). Given a ``spare`` cache
+    (donated: see ``retrace_jax/decoding/buffers.py``), decodes in it and returns ``(buffer, cache)``.
     """
     model = merge_target(graphdef, state, layer_loop, kept)
     consts, init = plain_init(model, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampling,
-                              capacity=capacity, mode=mode, mesh=mesh, cache_dtype=cache_dtype, attention=attention)
+                              capacity=capacity, mode=mode, mesh=mesh, cache_dtype=cache_dtype, attention=attention,
+                              spare=spare)
     final = jax.lax.while_loop(lambda c: ~jnp.all(c.buf.done), lambda c: plain_step(model, consts, c), init)
-    return final.buf
+    return final.buf if spare is None else (final.buf, final.cache)
 
 
 class PlainStepper:

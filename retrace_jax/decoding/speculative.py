@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from retrace_jax.decoding.buffers import check_spare
 from retrace_jax.decoding.commit import OutputBuffer, commit, stop_non_finite
 from retrace_jax.decoding.layer_loop import decode_weights, merge_target
 from retrace_jax.decoding.plain import StepConstants
@@ -125,18 +126,24 @@ def verify_round(keys_b, proposals_bj, draft_logits_bjv, target_logits_bwv, samp
 
 def speculative_init(models, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampling: SamplingParams, *,
                      capacity: int, block_size: int, use_retrace: bool = True, mode: SamplingMode = SamplingMode(),
-                     mesh=None, cache_dtype=None, attention="auto") -> tuple[RoundConstants, SpecCarry]:
+                     mesh=None, cache_dtype=None, attention="auto", spare=None) -> tuple[RoundConstants, SpecCarry]:
     """Prefill of a right-padded batch (rows with ``live_b`` False are padding): the first token of
-    each row from the prompt's logits (key step 0), both caches filled, the empty ReTrace memory."""
+    each row from the prompt's logits (key step 0), both caches filled, the empty ReTrace memory.
+    ``spare``: the target's and the drafter's caches to fill (stale contents: see
+    ``retrace_jax/decoding/buffers.py``), or None for new empty ones."""
     target, drafter = models
     layer_ids = drafter.cfg.target_layer_ids
     batch, prompt_len = tokens_bp.shape
     max_len = prompt_len + capacity + block_size  # a verify block may reach past the last kept token
+    if spare is None:
+        caches = (target.init_cache(batch, max_len, cache_dtype), drafter.init_cache(batch, max_len, cache_dtype))
+    else:
+        caches = tuple(check_spare(s, jax.eval_shape(lambda m=m: m.init_cache(batch, max_len, cache_dtype)), what)
+                       for s, m, what in zip(spare, models, ("the target's cache", "the drafter's cache")))
     logits_bv, target_cache, features = prefill(
-        target, tokens_bp, prompt_lens_b, target.init_cache(batch, max_len, cache_dtype).constrain(mesh),
-        feature_layers=layer_ids, attention=attention,
+        target, tokens_bp, prompt_lens_b, caches[0].constrain(mesh), feature_layers=layer_ids, attention=attention,
     )
-    draft_cache = drafter.extend_cache(features, drafter.init_cache(batch, max_len, cache_dtype).constrain(mesh))
+    draft_cache = drafter.extend_cache(features, caches[1].constrain(mesh))
     draft_cache = draft_cache.replace(lengths=prompt_lens_b)
     consts = RoundConstants(row_keys(sampling.seed, batch), jnp.asarray(max_new, jnp.int32), stop_ids, sampling,
                             block_size=block_size, mode=mode, mesh=mesh, attention=attention,
@@ -208,12 +215,12 @@ def speculative_round(models, consts: RoundConstants, c: SpecCarry) -> tuple[Spe
 @functools.partial(
     DecodeProgram,
     static_argnames=("target_def", "drafter_def", "capacity", "block_size", "use_retrace", "mode", "mesh",
-                     "cache_dtype", "attention", "layer_loop"),
+                     "cache_dtype", "attention", "layer_loop"), donate_argnames=("spare",),
 )
 def speculative_generate(target_def, target_state, drafter_def, drafter_state, tokens_bp, prompt_lens_b,
                          live_b, max_new, stop_ids, sampling: SamplingParams, *, capacity, block_size,
                          use_retrace=True, mode: SamplingMode = SamplingMode(), mesh=None, cache_dtype=None,
-                         attention="auto", layer_loop="auto", kept=None):
+                         attention="auto", layer_loop="auto", kept=None, spare=None):
     """Speculative decoding of a right-padded batch, greedy or by rejection sampling; row ``b`` uses key
     ``fold_in(PRNGKey(seed), b)`` folded with its step (0 for prefill, round + 1 after).
 
@@ -222,15 +229,18 @@ def speculative_generate(target_def, target_state, drafter_def, drafter_state, t
     output buffer, the acceptance lengths ``[B, capacity]`` and the rounds per row. ``layer_loop``:
     "scan" or "unrolled" (see ``TargetModel.unroll_layers``); an unrolled loop takes the target's per-layer
     weights and LM head from ``kept`` (see :func:`~retrace_jax.decoding.layer_loop.decode_weights`), or slices
-    the layers itself.
+    the layers itself. Given ``spare`` caches (the target's and the drafter's, donated: see
+    ``retrace_jax/decoding/buffers.py``), decodes in them and returns them as a fourth output.
     """
     models = (merge_target(target_def, target_state, layer_loop, kept), nnx.merge(drafter_def, drafter_state))
     consts, init = speculative_init(models, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampling,
                                     capacity=capacity, block_size=block_size, use_retrace=use_retrace, mode=mode,
-                                    mesh=mesh, cache_dtype=cache_dtype, attention=attention)
+                                    mesh=mesh, cache_dtype=cache_dtype, attention=attention, spare=spare)
     final = jax.lax.while_loop(lambda c: ~jnp.all(c.buf.done), lambda c: speculative_round(models, consts, c)[0],
                                init)
-    return final.buf, final.accept_br, final.rounds_b
+    if spare is None:
+        return final.buf, final.accept_br, final.rounds_b
+    return final.buf, final.accept_br, final.rounds_b, (final.target_cache, final.draft_cache)
 
 
 class SpeculativeStepper:

@@ -12,6 +12,7 @@ from flax import nnx
 
 import retrace_jax as rj
 from benchmarks.hlo import computations, loop_lines
+from retrace_jax.decoding.buffers import empty_cache
 from retrace_jax.decoding.plain import plain_generate
 from retrace_jax.decoding.sampling import SamplingParams
 from retrace_jax.decoding.speculative import speculative_generate
@@ -102,21 +103,25 @@ _HLO: dict = {}
 
 
 def program_hlo(program: str, layer_loop: str, capacity: int):
-    """The users' optimised HLO of a decode program, the cache shapes and one layer's element count."""
+    """The users' optimised HLO of a decode program as ``generate`` calls it (decoding in donated spare
+    caches: retrace_jax/decoding/buffers.py), the cache shapes and one layer's element count."""
     key = (program, layer_loop, capacity)
     if key not in _HLO:
         target, args = _inputs()
         tdef, tstate = nnx.split(target)
         if program == "plain":
             slots = 16 + capacity
-            lowered = plain_generate.lower(tdef, tstate, *args, capacity=capacity, layer_loop=layer_loop)
+            spare = empty_cache(target.cfg, 2, slots, target.dtype)
+            lowered = plain_generate.lower(tdef, tstate, *args, capacity=capacity, layer_loop=layer_loop,
+                                           spare=spare)
             shapes = [_cache_shape(target.cfg, 2, slots)]
         else:
             slots = 16 + capacity + 8
             drafter = rj.init_drafter(target.cfg, mask_token_id=511, num_layers=2, block_size=8)
             ddef, dstate = nnx.split(drafter)
+            spare = (empty_cache(target.cfg, 2, slots, target.dtype), empty_cache(drafter.cfg, 2, slots, drafter.dtype))
             lowered = speculative_generate.lower(tdef, tstate, ddef, dstate, *args, capacity=capacity, block_size=8,
-                                                 layer_loop=layer_loop)
+                                                 layer_loop=layer_loop, spare=spare)
             shapes = [_cache_shape(target.cfg, 2, slots), _cache_shape(drafter.cfg, 2, slots)]
         from retrace_jax.attention import cache_slots
         layer = _one_layer_of_cache(target.cfg, 2, cache_slots(slots))
