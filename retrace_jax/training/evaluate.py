@@ -26,12 +26,17 @@ from retrace_jax.training.feature_store import FeatureStore, store_key
 
 def evaluate(target, drafter, eval_ids, max_new_tokens: int, mesh, step: int) -> dict:
     """Real speculative generation on the held-out prompts: τ of the current drafter (every process
-    calls this when the mesh spans processes)."""
+    calls this when the mesh spans processes). A ReTrace drafter is also run with its memory off
+    (``eval_tau_memory_off``: its own DFlash path), so that the τ curve shows what the memory adds."""
     # The deprecated signature: the training config in place of max_new_tokens.
     if isinstance(max_new_tokens, dict) or hasattr(max_new_tokens, "eval_max_new_tokens"):
         max_new_tokens = max_new_tokens["eval_max_new_tokens"]
     out = generate(target, eval_ids, max_new_tokens, drafter=drafter, mesh=mesh)
-    return {"event": "eval", "step": step, "eval_tau": round(out.tau(), 4), "eval_tau_pooled": round(out.tau_pooled(), 4)}
+    record = {"event": "eval", "step": step, "eval_tau": round(out.tau(), 4), "eval_tau_pooled": round(out.tau_pooled(), 4)}
+    if drafter.cfg.retrace is not None:
+        off = generate(target, eval_ids, max_new_tokens, drafter=drafter, mesh=mesh, use_retrace=False)
+        record |= {"eval_tau_memory_off": round(off.tau(), 4), "eval_tau_memory_off_pooled": round(off.tau_pooled(), 4)}
+    return record
 
 
 def gathered(module):

@@ -155,6 +155,13 @@ def test_retrace_from_the_dflash_checkpoint(workspace, dflash_run):
     assert np.any(np.asarray(drafter.retrace.value.full.kernel[...]))  # it learned past zero
     prompts = json.load(open(root / "data" / "eval_prompts.json"))
     assert rj.generate(target, prompts, 24, drafter=drafter).tokens == rj.generate(target, prompts, 24).tokens
+    # The τ curve shows the memory on and off: the final evaluation ran the exported drafter both ways.
+    final = [r for r in _records(out) if r.get("event") == "eval"][-1]
+    assert final["step"] == 12
+    for key, use_retrace in (("eval_tau", True), ("eval_tau_memory_off", False)):
+        tau = rj.generate(target, prompts, 24, drafter=drafter, use_retrace=use_retrace).tau()
+        assert final[key] == round(tau, 4), key
+    assert not any("eval_tau_memory_off" in r for r in _records(dflash_run[0]))  # no memory, no second τ
 
 
 def test_data_preparation_resumes_and_keeps_finished_shards(tmp_path):
