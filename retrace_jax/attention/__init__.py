@@ -21,7 +21,7 @@ Two implementations share one meaning:
 - :func:`reference_attention` (``reference.py``): dense scores over every key with an explicit mask
   ``[B, T, S]``. It is the definition that the tests compare everything against, and training uses it
   (its masks are arbitrary and its sequences short).
-- :func:`cached_attention`: queries over a fixed-size KV cache ``[L, B, S, K, D]`` in which query
+- :func:`cached_attention`: queries over a fixed-size KV cache ``[L, B, K, S, D]`` in which query
   ``(b, t)`` sees the slots ``s < limit[b, t]`` (and, optionally, ``E`` extra keys that every query
   sees). The chunked walk (``chunked.py``) visits the cache in chunks of ``C`` slots only up to the
   batch's largest limit, with an online softmax (flash-decoding), so decode, verify and draft cost grows
@@ -108,9 +108,9 @@ def walk_chunk(slots: int, chunk: int = KV_CHUNK) -> int:
                      f"cache_slots(n) slots")
 
 
-def cached_attention(q_bthd, k_lbskd, v_lbskd, layer, limit_bt, extra_k_bekd=None, extra_v_bekd=None, *,
+def cached_attention(q_bthd, k_lbksd, v_lbksd, layer, limit_bt, extra_k_bekd=None, extra_v_bekd=None, *,
                      start_bt=None, implementation: str = "auto", kv_chunk: int = KV_CHUNK, q_chunk: int = Q_CHUNK):
-    """Attention of ``T`` queries over layer ``layer`` of a KV cache ``[L, B, S, K, D]``.
+    """Attention of ``T`` queries over layer ``layer`` of a KV cache ``[L, B, K, S, D]``.
 
     Query ``(b, t)`` sees the cache slots ``start[b, t] <= s < limit[b, t]`` (``start`` 0 unless given:
     a sliding window's first visible slot) and all ``E`` extra keys (when given). ``layer`` may be traced
@@ -120,23 +120,22 @@ def cached_attention(q_bthd, k_lbskd, v_lbskd, layer, limit_bt, extra_k_bekd=Non
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if implementation == "dense":  # "cudnn" and "pallas_tpu" have kernels for fresh prefills only; here chunked
-        return dense_cached(q_bthd, k_lbskd, v_lbskd, layer, limit_bt, extra_k_bekd, extra_v_bekd, start_bt)
+        return dense_cached(q_bthd, k_lbksd, v_lbksd, layer, limit_bt, extra_k_bekd, extra_v_bekd, start_bt)
     if implementation in ("pallas_gpu", "pallas_tpu"):
         kernels.check_pallas_backend(implementation)
     b, t, h, d = q_bthd.shape
-    s = k_lbskd.shape[2]
+    kv_heads, s = k_lbksd.shape[2:4]
     chunk = walk_chunk(s, kv_chunk)
-    kv_heads = k_lbskd.shape[3]
     q = q_bthd.reshape(b, t, kv_heads, h // kv_heads, d)
     extra = None if extra_k_bekd is None else (extra_k_bekd, extra_v_bekd)
     small = min(SMALL_CHUNK, chunk)
     tail = small if chunk % small == 0 else chunk  # a short filled tail in small chunks (see walk_cache)
-    walk = functools.partial(walk_cache, k_lbskd=k_lbskd, v_lbskd=v_lbskd, layer=layer, chunk=chunk, extra=extra,
+    walk = functools.partial(walk_cache, k_lbksd=k_lbksd, v_lbksd=v_lbksd, layer=layer, chunk=chunk, extra=extra,
                              tail_chunk=tail)
     use_kernel = implementation == "pallas_gpu" and t <= PALLAS_GPU_MAX_T and start_bt is None
     plan = kernels.decode_kernel_plan(s, d) if use_kernel else None
     if plan is not None:
-        return kernels.decode_kernel_cached(q, limit_bt, k_lbskd, v_lbskd, layer, plan, walk).astype(q_bthd.dtype)
+        return kernels.decode_kernel_cached(q, limit_bt, k_lbksd, v_lbksd, layer, plan, walk).astype(q_bthd.dtype)
     start = jnp.zeros_like(limit_bt) if start_bt is None else jnp.broadcast_to(start_bt, limit_bt.shape)
     walk_from = (lambda q_, limit_, start_: walk(q_, limit_)) if start_bt is None else (
         lambda q_, limit_, start_: walk(q_, limit_, lo_b=start_))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 NEG = -1e30  # the running max starts here (finite): see online_update
 
 
-def walk_cache(q_btkgd, limit_bt, *, k_lbskd, v_lbskd, layer, chunk, extra, lo_b=None, state=None,
+def walk_cache(q_btkgd, limit_bt, *, k_lbksd, v_lbksd, layer, chunk, extra, lo_b=None, state=None,
                tail_chunk=None):
     """Online softmax over the extra keys, then over the cache chunks that hold visible slots: query
     ``(b, t)`` sees the slots ``lo[b] <= s < limit[b, t]`` (``lo`` 0 unless given; ``[B]``, or ``[B, T]``
@@ -31,13 +31,13 @@ def walk_cache(q_btkgd, limit_bt, *, k_lbskd, v_lbskd, layer, chunk, extra, lo_b
         k_e, v_e = extra
         scores = jnp.einsum("bkgtd,bekd->bkgte", q_bkgtd, k_e.astype(q_btkgd.dtype),
                             preferred_element_type=jnp.float32) * d**-0.5
-        state = online_update(state, scores, jnp.ones((b, t, k_e.shape[1]), bool), v_e)
+        state = online_update(state, scores, jnp.ones((b, t, k_e.shape[1]), bool), v_e.swapaxes(1, 2))
 
     def walk(size, first, last, state):
         def one_chunk(j, state):
             start = j * size
-            k_c, v_c = (cache_chunk(buf, layer, start, size) for buf in (k_lbskd, v_lbskd))
-            scores = jnp.einsum("bkgtd,bckd->bkgtc", q_bkgtd, k_c.astype(q_btkgd.dtype),
+            k_c, v_c = (cache_chunk(buf, layer, start, size) for buf in (k_lbksd, v_lbksd))
+            scores = jnp.einsum("bkgtd,bkcd->bkgtc", q_bkgtd, k_c.astype(q_btkgd.dtype),
                                 preferred_element_type=jnp.float32) * d**-0.5
             slots = (start + jnp.arange(size))[None, None, :]
             visible = slots < limit_bt[:, :, None]  # [B, T, C]
@@ -70,17 +70,18 @@ def walk_cache(q_btkgd, limit_bt, *, k_lbskd, v_lbskd, layer, chunk, extra, lo_b
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, kv * g, d)
 
 
-def cache_chunk(buf_lbskd, layer, start, chunk: int):
-    """Slots ``start .. start + C - 1`` of layer ``layer``, ``[B, C, K, D]``, read from the stacked cache
+def cache_chunk(buf_lbksd, layer, start, chunk: int):
+    """Slots ``start .. start + C - 1`` of layer ``layer``, ``[B, K, C, D]``, read from the stacked cache
     in one slice. Taking the layer first and then the chunk would give XLA a slice that does not depend
-    on the chunk, which it hoists out of the walk: a copy of the whole layer at every call."""
-    _, b, _, kv, d = buf_lbskd.shape
+    on the chunk, which it hoists out of the walk: a copy of the whole layer at every call. The cache is
+    head-major, so the chunk is already laid out as both products take it (no transpose per chunk)."""
+    _, b, kv, _, d = buf_lbksd.shape
     zero = jnp.zeros((), jnp.int32)
-    index = (jnp.asarray(layer, jnp.int32), zero, jnp.asarray(start, jnp.int32), zero, zero)
-    return jax.lax.dynamic_slice(buf_lbskd, index, (1, b, chunk, kv, d))[0]
+    index = (jnp.asarray(layer, jnp.int32), zero, zero, jnp.asarray(start, jnp.int32), zero)
+    return jax.lax.dynamic_slice(buf_lbksd, index, (1, b, kv, chunk, d))[0]
 
 
-def online_update(state, scores_bkgtc, visible_btc, v_bckd):
+def online_update(state, scores_bkgtc, visible_btc, v_bkcd):
     """One step of the online softmax: folds the visible scores of one chunk of keys and their values
     into ``state = (running max, running sum, weighted values)``."""
     m, l, acc = state
@@ -92,5 +93,5 @@ def online_update(state, scores_bkgtc, visible_btc, v_bckd):
     p = jnp.exp(scores - m_new[..., None])
     scale = jnp.exp(m - m_new)
     l = l * scale + jnp.sum(p, axis=-1)
-    pv = jnp.einsum("bkgtc,bckd->bkgtd", p.astype(v_bckd.dtype), v_bckd, preferred_element_type=jnp.float32)
+    pv = jnp.einsum("bkgtc,bkcd->bkgtd", p.astype(v_bkcd.dtype), v_bkcd, preferred_element_type=jnp.float32)
     return m_new, l, acc * scale[..., None] + pv

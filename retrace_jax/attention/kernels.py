@@ -72,7 +72,7 @@ def decode_kernel_plan(s: int, d: int) -> tuple[int, int] | None:
     return None
 
 
-def decode_kernel_cached(q_btkgd, limit_bt, k_lbskd, v_lbskd, layer, plan, walk):
+def decode_kernel_cached(q_btkgd, limit_bt, k_lbksd, v_lbksd, layer, plan, walk):
     """The Pallas GPU decode kernel over the slots ``s < min_t limit[b, t]`` that every query of row ``b``
     sees (all ``T * G`` queries of a KV head go through the kernel as one head group), then the chunked
     walk over the extra keys and the slots ``min_t limit[b, t] <= s < limit[b, t]``, continuing the
@@ -80,8 +80,10 @@ def decode_kernel_cached(q_btkgd, limit_bt, k_lbskd, v_lbskd, layer, plan, walk)
     b, t, kv, g, d = q_btkgd.shape
     k_splits, block_k = plan
     lo_b = jnp.min(limit_bt, axis=1)
-    k = jax.lax.dynamic_index_in_dim(k_lbskd, layer, 0, keepdims=False).astype(q_btkgd.dtype)
-    v = jax.lax.dynamic_index_in_dim(v_lbskd, layer, 0, keepdims=False).astype(q_btkgd.dtype)
+    # The kernel takes [B, S, K, D] and swaps it to head-major itself: given the head-major layer swapped
+    # once, XLA folds the two transposes away.
+    k, v = (jax.lax.dynamic_index_in_dim(buf, layer, 0, keepdims=False).astype(q_btkgd.dtype).swapaxes(1, 2)
+            for buf in (k_lbksd, v_lbksd))
     q_bhd = q_btkgd.transpose(0, 2, 1, 3, 4).reshape(b, kv * t * g, d)  # head (k, t, g): one group per KV head
     decode = pallas_op("gpu.decode_attention")
     o_bhd, (l_bh, m_bh) = decode.gqa(q_bhd, k, v, kv_seq_len=lo_b, block_k=block_k, k_splits=k_splits,

@@ -31,13 +31,12 @@ def attention_beside_context(q_bthd, k_btkd, v_btkd, ctx_k_bskd, ctx_v_bskd, mas
     return reference_attention(q_bthd, keys, values, mask_bt_st)
 
 
-def dense_cached(q_bthd, k_lbskd, v_lbskd, layer, limit_bt, extra_k, extra_v, start_bt=None):
+def dense_cached(q_bthd, k_lbksd, v_lbksd, layer, limit_bt, extra_k, extra_v, start_bt=None):
     """``cached_attention``'s meaning through the reference: every slot of layer ``layer`` scored, those
     ``s >= limit[b, t]`` (and ``s < start[b, t]`` when given) masked, the extra keys visible to every
     query."""
-    s = k_lbskd.shape[2]
-    k = jax.lax.dynamic_index_in_dim(k_lbskd, layer, 0, keepdims=False)
-    v = jax.lax.dynamic_index_in_dim(v_lbskd, layer, 0, keepdims=False)
+    s = k_lbksd.shape[3]
+    k, v = (jax.lax.dynamic_index_in_dim(buf, layer, 0, keepdims=False).swapaxes(1, 2) for buf in (k_lbksd, v_lbksd))
     mask = jnp.arange(s)[None, None, :] < limit_bt[:, :, None]
     if start_bt is not None:
         mask &= jnp.arange(s)[None, None, :] >= jnp.broadcast_to(start_bt, limit_bt.shape)[:, :, None]

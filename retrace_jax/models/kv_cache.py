@@ -12,7 +12,8 @@ from retrace_jax.parallel.sharding import CACHE_AXES, constrain
 
 @struct.dataclass
 class KVCache:
-    """Keys and values ``[L, B, S, K, D]`` and a valid length per row.
+    """Keys and values ``[L, B, K, S, D]`` (head-major: a chunk of one head's slots is contiguous, as the
+    attention products read it) and a valid length per row.
 
     Positions ``< lengths[b]`` of row ``b`` hold committed tokens; anything past them is stale and is
     never read (attention looks only below each query's limit, and the next write overwrites it).
@@ -26,7 +27,7 @@ class KVCache:
     def zeros(cls, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype):
         """A cache with room for at least ``max_len`` positions per row (rounded up to whole attention
         chunks: see :func:`~retrace_jax.attention.cache_slots`)."""
-        shape = (num_layers, batch, cache_slots(max_len), kv_heads, head_dim)
+        shape = (num_layers, batch, kv_heads, cache_slots(max_len), head_dim)
         # Two different constants (0.0 and -0.0; both read as zero): identical broadcasts would be merged
         # by XLA into one buffer, which then needs a full copy per cache before the in-place writes.
         return cls(jnp.zeros(shape, dtype), jnp.full(shape, -0.0, dtype), jnp.zeros((batch,), jnp.int32))
@@ -39,7 +40,7 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     def constrain(self, mesh) -> "KVCache":
         """Pins the cache's sharding on ``mesh``: batch over data, KV heads over tensor."""
@@ -52,15 +53,16 @@ class KVCache:
                             v=write_rows(self.v, layer, v_btkd, offsets_b))
 
 
-def write_rows(buf_lbskd, layer, new_btkd, offsets_b):
+def write_rows(buf_lbksd, layer, new_btkd, offsets_b):
     """Writes ``new[b]`` into ``buf[layer, b]`` starting at slot ``offsets[b]``.
 
-    One scatter of ``B * T`` rows of ``[K, D]`` into the stacked buffer, which XLA updates in place (no
+    One scatter of ``B * T`` slots of ``[K, D]`` into the stacked buffer, which XLA updates in place (no
     cache-sized copy or transpose). Callers keep ``offsets + T <= S``: the write is promised in bounds,
     because a bounds check ("drop" mode) makes XLA select over the whole buffer after each write."""
     b, t = new_btkd.shape[:2]
     rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
     slots = offsets_b[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
     layer_idx = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (b, t))
-    return buf_lbskd.at[layer_idx, rows, slots].set(new_btkd.astype(buf_lbskd.dtype),
-                                                      mode="promise_in_bounds")
+    # Advanced indices around a slice: the update's dims are the indices' [B, T], then K and D.
+    return buf_lbksd.at[layer_idx, rows, :, slots].set(new_btkd.astype(buf_lbksd.dtype),
+                                                         mode="promise_in_bounds")

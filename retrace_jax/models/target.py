@@ -206,8 +206,8 @@ def forward_beside_context(model: TargetModel, tokens_bt, positions_bt, ctx: KVC
 
     def attend_at(layer, carry):
         def attend(q, k, v):
-            ctx_k = jax.lax.dynamic_index_in_dim(ctx.k, layer, 0, keepdims=False)
-            ctx_v = jax.lax.dynamic_index_in_dim(ctx.v, layer, 0, keepdims=False)
+            ctx_k, ctx_v = (jax.lax.dynamic_index_in_dim(buf, layer, 0, keepdims=False).swapaxes(1, 2)  # [B, S, K, D]
+                            for buf in (ctx.k, ctx.v))
             return attention_beside_context(q, k, v, ctx_k, ctx_v, mask_bt_st), carry
 
         return attend

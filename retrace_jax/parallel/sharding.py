@@ -113,4 +113,4 @@ def check_divisible(what: str, num_heads: int, num_kv_heads: int, mesh: Mesh | N
                          f"choose a tensor size that divides both")
 
 
-CACHE_AXES = (None, "batch", None, "kv_heads", None)  # [layers, batch, max_len, kv_heads, head_dim]
+CACHE_AXES = (None, "batch", "kv_heads", None, None)  # [layers, batch, kv_heads, max_len, head_dim]

@@ -10,9 +10,15 @@ from retrace_jax.models.kv_cache import KVCache, write_rows
 
 
 def _random_cache(rng, layers, batch, slots, kv_heads, head_dim, dtype):
-    k = rng.standard_normal((layers, batch, slots, kv_heads, head_dim)).astype(np.float32)
-    v = rng.standard_normal((layers, batch, slots, kv_heads, head_dim)).astype(np.float32)
+    """Random keys and values in the cache's layout ``[L, B, K, S, D]``."""
+    k = rng.standard_normal((layers, batch, kv_heads, slots, head_dim)).astype(np.float32)
+    v = rng.standard_normal((layers, batch, kv_heads, slots, head_dim)).astype(np.float32)
     return jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+
+
+def slot_major(layer_bksd):
+    """One layer of the cache as the reference takes keys: ``[B, S, K, D]``."""
+    return layer_bksd.swapaxes(1, 2)
 
 
 @pytest.mark.parametrize("t,slots,kv_chunk,q_chunk", [(1, 64, 16, 16), (5, 64, 16, 16), (40, 64, 16, 8),
@@ -27,7 +33,7 @@ def test_chunked_matches_reference(t, slots, kv_chunk, q_chunk, extra):
     limit = np.stack([np.full(t, 1), np.full(t, slots), np.minimum(np.arange(t) + 7, slots)]).astype(np.int32)
     ek = ev = None
     mask = np.arange(slots)[None, None, :] < limit[:, :, None]
-    keys, values = k[layer], v[layer]
+    keys, values = slot_major(k[layer]), slot_major(v[layer])
     if extra:
         ek = jnp.asarray(rng.standard_normal((b, 4, kv, d)), jnp.float32)
         ev = jnp.asarray(rng.standard_normal((b, 4, kv, d)), jnp.float32)
@@ -47,7 +53,8 @@ def test_chunked_bfloat16_close_to_reference():
     q = jnp.asarray(rng.standard_normal((2, 4, 4, 16)), jnp.bfloat16)
     limit = jnp.asarray([[50] * 4, [128] * 4], jnp.int32)
     mask = jnp.arange(128)[None, None, :] < limit[:, :, None]
-    want = reference_attention(q.astype(jnp.float32), k[0].astype(jnp.float32), v[0].astype(jnp.float32), mask)
+    want = reference_attention(q.astype(jnp.float32), slot_major(k[0]).astype(jnp.float32),
+                               slot_major(v[0]).astype(jnp.float32), mask)
     got = cached_attention(q, k, v, 0, limit, kv_chunk=32)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=3e-2)
@@ -60,7 +67,7 @@ def test_walk_stops_at_the_longest_row():
     q = jnp.asarray(rng.standard_normal((2, 1, 2, 8)), jnp.float32)
     limit = jnp.asarray([[40], [70]], jnp.int32)
     clean = cached_attention(q, k, v, 0, limit, kv_chunk=32)
-    poisoned = cached_attention(q, k.at[:, :, 96:].set(jnp.nan), v.at[:, :, 96:].set(jnp.nan), 0, limit, kv_chunk=32)
+    poisoned = cached_attention(q, k.at[:, :, :, 96:].set(jnp.nan), v.at[:, :, :, 96:].set(jnp.nan), 0, limit, kv_chunk=32)
     np.testing.assert_array_equal(np.asarray(clean), np.asarray(poisoned))
 
 
@@ -71,19 +78,19 @@ def test_cache_slots_tile_into_chunks():
     assert walk_chunk(256) == 128 and walk_chunk(512) == 128 and walk_chunk(80) == 80 and walk_chunk(1024) == 512
     assert walk_chunk(200) == 200 and walk_chunk(1000, 4096) == 1000  # caches made otherwise: walked whole
     with pytest.raises(ValueError, match="does not tile"):
-        k = jnp.zeros((1, 1, 48, 1, 4))
+        k = jnp.zeros((1, 1, 1, 48, 4))
         cached_attention(jnp.zeros((1, 1, 1, 4)), k, k, 0, jnp.ones((1, 1), jnp.int32), kv_chunk=32)
 
 
 def test_write_rows_at_each_rows_offset():
-    buf = jnp.zeros((2, 3, 10, 1, 2))
-    new = jnp.arange(3 * 4 * 2, dtype=jnp.float32).reshape(3, 4, 1, 2) + 1
+    buf = jnp.zeros((2, 3, 2, 10, 2))  # [L, B, K, S, D]
+    new = jnp.arange(3 * 4 * 2 * 2, dtype=jnp.float32).reshape(3, 4, 2, 2) + 1  # [B, T, K, D]
     out = np.asarray(write_rows(buf, 1, new, jnp.asarray([0, 3, 6])))
     assert not out[0].any()
-    np.testing.assert_array_equal(out[1, 0, 0:4], new[0])
-    np.testing.assert_array_equal(out[1, 1, 3:7], new[1])
-    np.testing.assert_array_equal(out[1, 2, 6:10], new[2])
-    assert not out[1, 0, 4:].any() and not out[1, 1, :3].any() and not out[1, 1, 7:].any()
+    np.testing.assert_array_equal(out[1, 0, :, 0:4], new[0].swapaxes(0, 1))
+    np.testing.assert_array_equal(out[1, 1, :, 3:7], new[1].swapaxes(0, 1))
+    np.testing.assert_array_equal(out[1, 2, :, 6:10], new[2].swapaxes(0, 1))
+    assert not out[1, 0, :, 4:].any() and not out[1, 1, :, :3].any() and not out[1, 1, :, 7:].any()
 
 
 def test_cache_allocation_rounds_to_chunks():
@@ -148,11 +155,12 @@ def test_a_long_cache_walks_its_filled_tail_in_small_chunks():
     for lengths in ([1, 150], [KV_CHUNK, KV_CHUNK + 1], [700, 1300], [slots, 2 * KV_CHUNK - 5]):
         limit = np.minimum(np.asarray(lengths)[:, None] + np.arange(3)[None, :], slots).astype(np.int32)
         mask = np.arange(slots)[None, None, :] < limit[:, :, None]
-        want = reference_attention(q, k[0], v[0], jnp.asarray(mask))
+        want = reference_attention(q, slot_major(k[0]), slot_major(v[0]), jnp.asarray(mask))
         got = cached_attention(q, k, v, 0, jnp.asarray(limit))
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-5)
     limit = jnp.asarray([[150, 151, 152], [60, 61, 62]], jnp.int32)
     tail_end = 2 * SMALL_CHUNK  # the small chunks that hold slots below 152
     clean = cached_attention(q, k, v, 0, limit)
-    poisoned = cached_attention(q, k.at[:, :, tail_end:].set(jnp.nan), v.at[:, :, tail_end:].set(jnp.nan), 0, limit)
+    poisoned = cached_attention(q, k.at[:, :, :, tail_end:].set(jnp.nan),
+                                v.at[:, :, :, tail_end:].set(jnp.nan), 0, limit)
     np.testing.assert_array_equal(np.asarray(clean), np.asarray(poisoned))

@@ -26,8 +26,8 @@ def _case(rng, t, slots, d, extra, dtype=jnp.float32):
     """Two layers of a random cache with 3 rows, GQA (4 query heads over 2 KV heads) and ragged limits:
     a row that sees one slot, a full row, and causal limits (each query one slot further)."""
     b, h, kv = 3, 4, 2
-    k = jnp.asarray(rng.standard_normal((2, b, slots, kv, d)), dtype)
-    v = jnp.asarray(rng.standard_normal((2, b, slots, kv, d)), dtype)
+    k = jnp.asarray(rng.standard_normal((2, b, kv, slots, d)), dtype)  # [L, B, K, S, D]
+    v = jnp.asarray(rng.standard_normal((2, b, kv, slots, d)), dtype)
     q = jnp.asarray(rng.standard_normal((b, t, h, d)), dtype)
     limit = jnp.asarray(np.stack([np.full(t, 1), np.full(t, slots), np.minimum(np.arange(t) + 37, slots)]), jnp.int32)
     ek = ev = None

@@ -89,7 +89,7 @@ def _inputs():
 def _cache_shape(cfg, batch, slots):
     from retrace_jax.attention import cache_slots
 
-    return (cfg.num_layers, batch, cache_slots(slots), cfg.num_kv_heads, cfg.head_dim)
+    return (cfg.num_layers, batch, cfg.num_kv_heads, cache_slots(slots), cfg.head_dim)
 
 
 def _one_layer_of_cache(cfg, batch, slots):

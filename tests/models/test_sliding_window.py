@@ -174,7 +174,7 @@ def test_windowed_cache_walk_equals_dense():
     rng = np.random.RandomState(2)
     b, t, h, kv, d, s = 2, 6, 4, 2, 8, 64
     q = jnp.asarray(rng.randn(b, t, h, d).astype(np.float32))
-    k, v = (jnp.asarray(rng.randn(1, b, s, kv, d).astype(np.float32)) for _ in range(2))
+    k, v = (jnp.asarray(rng.randn(1, b, kv, s, d).astype(np.float32)) for _ in range(2))  # [L, B, K, S, D]
     ek, ev = (jnp.asarray(rng.randn(b, 3, kv, d).astype(np.float32)) for _ in range(2))
     limit = jnp.asarray([[40] * t, [9] * t], jnp.int32)
     # Near the sequence start a window's first slot is negative (window_start = p - w + 1): some queries here.
