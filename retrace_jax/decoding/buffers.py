@@ -11,7 +11,8 @@ dropped, not kept.
 
 On a CPU a fresh 16K-slot cache cost more than the decoding of a hundred tokens in it
 (``benchmarks/long_context.py --sections buffer``; docs/performance.md). The pool holds the caches of
-the last :data:`KEEP` distinct cache sizes; :func:`clear_decode_buffers` frees them.
+the last :data:`KEEP` distinct cache sets (a plain call keeps one cache, a speculative call two);
+:func:`clear_decode_buffers` frees them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import jax
 
 from retrace_jax.models.kv_cache import KVCache
 
-KEEP = 2  # distinct cache sizes kept (plain and speculative decoding of one size each, say)
+KEEP = 4  # distinct cache sets kept: plain and speculative decoding at two sizes, say
 
 
 class SparePool:

@@ -100,9 +100,9 @@ def generate(
     made on the first call and kept while the target lives (twice the layer weights in memory, and a
     tied LM head once more; see ``retrace_jax.decoding.layer_loop.decode_weights``).
 
-    The KV caches of a call are kept for the next call of the same sizes (the caches of the last two
-    sizes; ``rj.clear_decode_buffers()`` frees them), so that a call does not allocate and first-touch
-    caches of its whole capacity; see ``retrace_jax/decoding/buffers.py``.
+    The KV caches of a call are kept for the next call of the same sizes (those of the last four
+    distinct sizes and methods; ``rj.clear_decode_buffers()`` frees them), so that a call does not
+    allocate and first-touch caches of its whole capacity; see ``retrace_jax/decoding/buffers.py``.
     """
     if not isinstance(target, TargetModel):
         raise TypeError(f"generate: target must be a TargetModel (rj.load_target, rj.tiny.tiny_target), got "

@@ -62,7 +62,7 @@ def test_stale_contents_change_no_token():
         buffers.POOL.put(key, tuple(c.replace(k=jnp.asarray(rng.normal(0, 1e3, c.k.shape), c.k.dtype),
                                               v=jnp.asarray(rng.normal(0, 1e3, c.v.shape), c.v.dtype))
                                     for c in caches))
-    assert len(pooled()) == 2
+    assert len(pooled()) >= 2  # at least the two calls above (building the oracle may add one)
     out = rj.generate(target, PROMPTS, 24, drafter=oracle.drafter)
     assert out.tokens == oracle.expected_tokens()
     assert out.acceptance_lengths == oracle.expected_acceptance()
@@ -71,11 +71,14 @@ def test_stale_contents_change_no_token():
 
 def test_the_pool_keeps_the_last_sizes_and_clears():
     target = tiny_target()
-    for n in (10, 40, 100):  # three capacity buckets
+    sizes = [10, 40, 100, 200, 300]  # capacity buckets 16, 64, 128, 256, 512
+    for n in sizes:
         rj.generate(target, [[1, 2]], n)
-    assert len(pooled()) == buffers.KEEP
+    assert len(pooled()) == buffers.KEEP == 4
     capacities = [key[0][2] for key in pooled()]  # the caches' max_len: prompt bucket + capacity
-    assert capacities == [16 + 64, 16 + 128]  # the most recent two
+    assert capacities == [16 + 64, 16 + 128, 16 + 256, 16 + 512]  # the most recent four, oldest first
+    rj.generate(target, [[3]], 40)  # a kept size is taken and put back as the most recent
+    assert [key[0][2] for key in pooled()] == [16 + 128, 16 + 256, 16 + 512, 16 + 64]
     rj.clear_decode_buffers()
     assert pooled() == {}
     rj.generate(target, [[1, 2]], 10)  # and decoding goes on with new buffers
