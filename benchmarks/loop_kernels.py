@@ -62,6 +62,9 @@ def main(argv=None):
     p.add_argument("--drafter-layers", type=int, default=1)
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unrolled"])
+    p.add_argument("--capacity", type=int, default=64,
+                   help="new-token capacity of the compiled programs (caches of more than 512 slots walk "
+                        "chunks of 512 and of 128)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     cfg = dataclasses.replace(TINY_QWEN3, num_layers=args.layers, hidden_size=args.width,
@@ -70,11 +73,11 @@ def main(argv=None):
     drafter = rj.init_drafter(cfg, mask_token_id=cfg.vocab_size - 1, num_layers=args.drafter_layers,
                               block_size=args.block_size)
     tokens = np.zeros((1, 16), np.int32)
-    call = (tokens, np.asarray([8], np.int32), np.ones((1,), bool), np.int32(64), np.full((8,), -1, np.int32),
+    call = (tokens, np.asarray([8], np.int32), np.ones((1,), bool), np.int32(args.capacity), np.full((8,), -1, np.int32),
             SamplingParams.make())
     (tdef, tstate), (ddef, dstate) = nnx.split(target), nnx.split(drafter)
     slices = decode_weights(target, args.layer_loop)
-    common = dict(capacity=64, layer_loop=args.layer_loop, kept=slices)
+    common = dict(capacity=args.capacity, layer_loop=args.layer_loop, kept=slices)
     programs = {
         "plain step": plain_generate.lower(tdef, tstate, *call, **common),
         "speculative round": speculative_generate.lower(tdef, tstate, ddef, dstate, *call,
@@ -86,7 +89,8 @@ def main(argv=None):
         rows[name] = max(counts, key=lambda c: sum(c.values()))  # the decode loop (the largest body)
     ops = sorted({op for c in rows.values() for op in c}, key=lambda op: -sum(c[op] for c in rows.values()))
     print(f"random Qwen3, {args.layers} layers, d={args.width}, vocab {args.vocab}; drafter "
-          f"{args.drafter_layers} layer(s), block {args.block_size}; layer loop {args.layer_loop}")
+          f"{args.drafter_layers} layer(s), block {args.block_size}; layer loop {args.layer_loop}; "
+          f"capacity {args.capacity}")
     print("| opcode | " + " | ".join(rows) + " |")
     print("|---|" + "---|" * len(rows))
     for op in ops:
