@@ -109,18 +109,21 @@ def walk_chunk(slots: int, chunk: int = KV_CHUNK) -> int:
 
 
 def cached_attention(q_bthd, k_lbksd, v_lbksd, layer, limit_bt, extra_k_bekd=None, extra_v_bekd=None, *,
-                     start_bt=None, implementation: str = "auto", kv_chunk: int = KV_CHUNK, q_chunk: int = Q_CHUNK):
+                     start_bt=None, extra_valid_be=None, implementation: str = "auto", kv_chunk: int = KV_CHUNK,
+                     q_chunk: int = Q_CHUNK):
     """Attention of ``T`` queries over layer ``layer`` of a KV cache ``[L, B, K, S, D]``.
 
     Query ``(b, t)`` sees the cache slots ``start[b, t] <= s < limit[b, t]`` (``start`` 0 unless given:
-    a sliding window's first visible slot) and all ``E`` extra keys (when given). ``layer`` may be traced
+    a sliding window's first visible slot) and the ``E`` extra keys (when given: all of them, or those
+    where ``extra_valid_be`` ``[B, E]`` holds). ``layer`` may be traced
     (a scan over layers). Returns ``[B, T, H, D]`` in the query dtype. A windowed call (``start``) is
     walked by the chunked path, whatever the implementation: the Pallas GPU kernel's split assumes that
     every query sees the slots from 0."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if implementation == "dense":  # "cudnn" and "pallas_tpu" have kernels for fresh prefills only; here chunked
-        return dense_cached(q_bthd, k_lbksd, v_lbksd, layer, limit_bt, extra_k_bekd, extra_v_bekd, start_bt)
+        return dense_cached(q_bthd, k_lbksd, v_lbksd, layer, limit_bt, extra_k_bekd, extra_v_bekd, start_bt,
+                            extra_valid_be)
     if implementation in ("pallas_gpu", "pallas_tpu"):
         kernels.check_pallas_backend(implementation)
     b, t, h, d = q_bthd.shape
@@ -131,7 +134,7 @@ def cached_attention(q_bthd, k_lbksd, v_lbksd, layer, limit_bt, extra_k_bekd=Non
     small = min(SMALL_CHUNK, chunk)
     tail = small if chunk % small == 0 else chunk  # a short filled tail in small chunks (see walk_cache)
     walk = functools.partial(walk_cache, k_lbksd=k_lbksd, v_lbksd=v_lbksd, layer=layer, chunk=chunk, extra=extra,
-                             tail_chunk=tail)
+                             extra_valid=extra_valid_be, tail_chunk=tail)
     use_kernel = implementation == "pallas_gpu" and t <= PALLAS_GPU_MAX_T and start_bt is None
     plan = kernels.decode_kernel_plan(s, d) if use_kernel else None
     if plan is not None:

@@ -11,13 +11,14 @@ import jax.numpy as jnp
 NEG = -1e30  # the running max starts here (finite): see online_update
 
 
-def walk_cache(q_btkgd, limit_bt, *, k_lbksd, v_lbksd, layer, chunk, extra, lo_b=None, state=None,
+def walk_cache(q_btkgd, limit_bt, *, k_lbksd, v_lbksd, layer, chunk, extra, extra_valid=None, lo_b=None, state=None,
                tail_chunk=None):
     """Online softmax over the extra keys, then over the cache chunks that hold visible slots: query
     ``(b, t)`` sees the slots ``lo[b] <= s < limit[b, t]`` (``lo`` 0 unless given; ``[B]``, or ``[B, T]``
     for a bound per query: a sliding window), so the walk covers chunks
     ``floor(min(lo) / C) .. ceil(max(limit) / C) - 1``. ``state`` continues a softmax already
-    started (``(m, l, acc)``, ``[B, K, G, T]`` and ``[B, K, G, T, D]``; empty by default).
+    started (``(m, l, acc)``, ``[B, K, G, T]`` and ``[B, K, G, T, D]``; empty by default). Every query
+    sees every extra key, or those where ``extra_valid`` (``[B, E]``) holds.
 
     With a smaller ``tail_chunk`` (a divisor of ``chunk``) the walk covers whole chunks of ``chunk``
     slots up to the last such boundary below ``max(limit)``, and the rest in chunks of ``tail_chunk``: a
@@ -33,7 +34,9 @@ def walk_cache(q_btkgd, limit_bt, *, k_lbksd, v_lbksd, layer, chunk, extra, lo_b
         k_e, v_e = extra
         scores = jnp.einsum("bkgtd,bekd->bkgte", q_bkgtd, k_e.astype(q_btkgd.dtype),
                             preferred_element_type=jnp.float32) * d**-0.5
-        state = online_update(state, scores, jnp.ones((b, t, k_e.shape[1]), bool), v_e.swapaxes(1, 2))
+        visible = jnp.ones((b, t, k_e.shape[1]), bool) if extra_valid is None else jnp.broadcast_to(
+            extra_valid[:, None, :], (b, t, k_e.shape[1]))
+        state = online_update(state, scores, visible, v_e.swapaxes(1, 2))
 
     def one_chunk(size, j, state):
         start = j * size

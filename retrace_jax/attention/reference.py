@@ -31,10 +31,10 @@ def attention_beside_context(q_bthd, k_btkd, v_btkd, ctx_k_bskd, ctx_v_bskd, mas
     return reference_attention(q_bthd, keys, values, mask_bt_st)
 
 
-def dense_cached(q_bthd, k_lbksd, v_lbksd, layer, limit_bt, extra_k, extra_v, start_bt=None):
+def dense_cached(q_bthd, k_lbksd, v_lbksd, layer, limit_bt, extra_k, extra_v, start_bt=None, extra_valid_be=None):
     """``cached_attention``'s meaning through the reference: every slot of layer ``layer`` scored, those
     ``s >= limit[b, t]`` (and ``s < start[b, t]`` when given) masked, the extra keys visible to every
-    query."""
+    query (those where ``extra_valid_be`` holds, when given)."""
     s = k_lbksd.shape[3]
     k, v = (jax.lax.dynamic_index_in_dim(buf, layer, 0, keepdims=False).swapaxes(1, 2) for buf in (k_lbksd, v_lbksd))
     mask = jnp.arange(s)[None, None, :] < limit_bt[:, :, None]
@@ -43,5 +43,7 @@ def dense_cached(q_bthd, k_lbksd, v_lbksd, layer, limit_bt, extra_k, extra_v, st
     if extra_k is None:
         return reference_attention(q_bthd, k, v, mask)
     b, t = limit_bt.shape
-    mask = jnp.concatenate([mask, jnp.ones((b, t, extra_k.shape[1]), bool)], axis=-1)
+    extra = (jnp.ones((b, t, extra_k.shape[1]), bool) if extra_valid_be is None
+             else jnp.broadcast_to(extra_valid_be[:, None, :], (b, t, extra_k.shape[1])))
+    mask = jnp.concatenate([mask, extra], axis=-1)
     return attention_beside_context(q_bthd, extra_k, extra_v, k, v, mask)

@@ -153,7 +153,9 @@ def speculative_init(models, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids
     buf = commit(buf, first_b[:, None], jnp.ones((batch,), jnp.int32), consts.max_new, stop_ids)
     memory = None
     if use_retrace and drafter.cfg.retrace is not None:
-        memory = Memory.empty(batch, block_size, drafter.cfg.hidden_size, target.cfg.hidden_size, drafter.dtype)
+        target_width = (drafter.cfg.num_features * target.cfg.hidden_size if drafter.cfg.retrace.fusion == "keys"
+                        else target.cfg.hidden_size)  # the target's features, or its final-norm states
+        memory = Memory.empty(batch, block_size, drafter.cfg.hidden_size, target_width, drafter.dtype)
     carry = SpecCarry(
         target_cache=target_cache,
         draft_cache=draft_cache,
@@ -196,7 +198,8 @@ def speculative_round(models, consts: RoundConstants, c: SpecCarry) -> tuple[Spe
         agreed = None
         if drafter.cfg.retrace.slots == "agreed":  # the target's own tokens, whatever the sampling
             agreed = proposals == argmax(target_logits)[:, :-1]
-        memory = shift_memory(draft_hidden, out.hidden.astype(drafter.dtype), a, agreed)
+        scored = out.features if drafter.cfg.retrace.fusion == "keys" else out.hidden  # [B, W, F] or [B, W, d]
+        memory = shift_memory(draft_hidden, scored.astype(drafter.dtype), a, agreed)
     rows = jnp.arange(batch)
     accept = c.accept_br.at[rows, jnp.where(active, c.rounds_b, capacity)].set(a + 1, mode="drop")
     carry = SpecCarry(

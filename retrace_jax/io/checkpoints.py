@@ -105,7 +105,7 @@ def _load_drafter(path: str, target: TargetModel, dtype, retrace: bool | ReTrace
     fresh = None
     if stored.retrace is not None and cfg.retrace is None:
         ignore = [s.hf_name for s in retrace_specs(stored.retrace)]
-    elif cfg.retrace is not None and stored.retrace is None:
+    elif cfg.retrace is not None and stored.retrace is None and cfg.retrace.fusion == "embedding":
         init = ReTraceFusion(cfg.retrace, cfg.hidden_size, cfg.hidden_size, dtype=dtype, rngs=nnx.Rngs(seed))
         fresh = {("retrace",) + p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(init))}
     elif cfg.retrace is not None:

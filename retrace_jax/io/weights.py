@@ -106,7 +106,10 @@ def drafter_specs(cfg: DrafterConfig) -> list[WeightSpec]:
 
 
 def retrace_specs(cfg: ReTraceConfig) -> list[WeightSpec]:
-    """``retrace.{correct,value,gate}.weight``, or ``.down.weight`` / ``.up.weight`` pairs with a rank."""
+    """``retrace.{correct,value,gate}.weight``, or ``.down.weight`` / ``.up.weight`` pairs with a rank (none
+    for the "keys" fusion, which has no parameters of its own)."""
+    if cfg.fusion == "keys":
+        return []
     names = ("correct", "value", "gate") if cfg.gate else ("correct", "value")
     if cfg.rank is None:
         return [WeightSpec(f"retrace.{n}.weight", ("retrace", n, "full", "kernel"), True) for n in names]

@@ -226,7 +226,7 @@ class DFlashDrafter(nnx.Module):
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
         self.layers = nnx.List([DecoderBlock(cfg.block_spec, dtype, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
-        if cfg.retrace is not None:
+        if cfg.retrace is not None and cfg.retrace.fusion == "embedding":  # "keys" has no parameters
             self.retrace = ReTraceFusion(cfg.retrace, d, d, dtype=dtype, rngs=rngs)
         if cfg.draft_vocab_size is not None:  # ids 0..U-1 until init_drafter, with_draft_vocab or a
             # checkpoint sets them
@@ -266,42 +266,70 @@ class DFlashDrafter(nnx.Module):
                 h = layer(h, positions_bt, attend)[0]
         return self.norm(h)
 
-    def forward(self, emb_btd, positions_bt, ctx_kv, mask_bt_st, remat: bool = False):
+    def forward(self, emb_btd, positions_bt, ctx_kv, mask_bt_st, remat: bool = False, memory_kv=None,
+                memory_positions_bm=None):
         """Block states against explicit per-layer context ``(k, v)`` and a mask ``[B, T, S + T]``
         (``mask[:, :, :S]`` covers the context, the rest the block's own keys): training's path.
 
         The context keys are those of positions ``0..S-1`` (as ``sequence_context`` makes them). A
         sliding-attention layer also hides every key more than its window away from the query
-        (:func:`window_start`), the block's own keys at ``positions`` included."""
+        (:func:`window_start`), the block's own keys at ``positions`` included. ``memory_kv`` (ReTrace's
+        "keys" fusion): per-layer ``(k, v)`` of ``M`` more keys at ``memory_positions``, after the
+        block's own; the mask is then ``[B, T, S + T + M]``."""
         s = ctx_kv[0][0].shape[1]
-        key_positions = jnp.concatenate(
-            [jnp.broadcast_to(jnp.arange(s, dtype=positions_bt.dtype), (positions_bt.shape[0], s)), positions_bt], 1)
-        distance = jnp.abs(positions_bt[:, :, None] - key_positions[:, None, :])  # [B, T, S + T]
+        key_positions = [jnp.broadcast_to(jnp.arange(s, dtype=positions_bt.dtype), (positions_bt.shape[0], s)),
+                         positions_bt]
+        if memory_kv is not None:
+            key_positions.append(memory_positions_bm.astype(positions_bt.dtype))
+        distance = jnp.abs(positions_bt[:, :, None] - jnp.concatenate(key_positions, 1)[:, None, :])
 
         def attend_at(i):
             ctx_k, ctx_v = ctx_kv[i]
             window = self.cfg.window(i)
             mask = mask_bt_st if window is None else mask_bt_st & (distance < window)
-            return lambda q, k, v: (attention_beside_context(q, k, v, ctx_k, ctx_v, mask), None)
+            if memory_kv is None:
+                return lambda q, k, v: (attention_beside_context(q, k, v, ctx_k, ctx_v, mask), None)
+            mem_k, mem_v = memory_kv[i]
+            return lambda q, k, v: (attention_beside_context(q, jnp.concatenate([k, mem_k.astype(k.dtype)], 1),
+                                                             jnp.concatenate([v, mem_v.astype(v.dtype)], 1),
+                                                             ctx_k, ctx_v, mask), None)
 
         return self.run_layers(emb_btd, positions_bt, attend_at, remat)
+
+    def memory_kv(self, memory: Memory, block_positions_bt):
+        """ReTrace's "keys" fusion: per-layer keys and values of the memory's target features, each slot
+        ``j`` at the position of the verify slot it came from, ``block_positions[:, j] - 1``, and those
+        positions ``[B, W]`` (the drafter's own context projections, as for committed positions)."""
+        positions = block_positions_bt - 1
+        return self.context_kv(memory.mem_t, positions), positions
 
     def draft(self, emb_btd, cache: KVCache, memory: Memory | None = None, beta=1.0, attention: str = "auto"):
         """Drafts one block per row at positions ``cache.lengths[b] + 0..T-1``: every block token sees
         the row's committed context (the cache below its length; in a sliding-attention layer only from
         :func:`window_start` on) and the whole block. ``memory`` (ReTrace drafters) is fused into the
-        block's embeddings first."""
-        if memory is not None:
+        block's embeddings first (fusion "embedding"), or its target features become extra keys of
+        the block (fusion "keys": see :meth:`memory_kv`)."""
+        keys_fusion = memory is not None and self.cfg.retrace.fusion == "keys"
+        if memory is not None and not keys_fusion:
             emb_btd = self.retrace(emb_btd.astype(self.dtype), memory, beta)
         b, t, _ = emb_btd.shape
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
         limit = jnp.broadcast_to(cache.lengths[:, None], (b, t))
+        if keys_fusion:
+            mem_kv, _ = self.memory_kv(memory, positions)
+            valid = jnp.concatenate([jnp.ones((b, t), bool), memory.valid], 1)  # the block's keys, then the memory's
 
         def attend_at(i):
             window = self.cfg.window(i)
             start = None if window is None else window_start(positions, window)
-            return lambda q, k, v: (cached_attention(q, cache.k, cache.v, i, limit, k, v, start_bt=start,
-                                                     implementation=attention), None)
+            if not keys_fusion:
+                return lambda q, k, v: (cached_attention(q, cache.k, cache.v, i, limit, k, v, start_bt=start,
+                                                         implementation=attention), None)
+            mem_k, mem_v = mem_kv[i]
+            return lambda q, k, v: (cached_attention(q, cache.k, cache.v, i, limit,
+                                                     jnp.concatenate([k, mem_k.astype(k.dtype)], 1),
+                                                     jnp.concatenate([v, mem_v.astype(v.dtype)], 1), start_bt=start,
+                                                     extra_valid_be=valid, implementation=attention), None)
 
         return self.run_layers(emb_btd, positions, attend_at)
 

@@ -27,6 +27,12 @@ SIGNALS = ("drafter", "target", "both")
 Signals = Literal[SIGNALS]
 SLOTS = ("all", "agreed")
 Slots = Literal[SLOTS]
+# Where the memory enters the next block: "embedding" (the paper's gated residual into the block's input
+# embeddings) or "keys" (an ablation, as DFlow and Carryover Drafting do: the target's features at the
+# kept slots become extra keys and values of the block, through the drafter's own context projections;
+# no parameters of its own, and signals, rank and gate do not apply).
+FUSIONS = ("embedding", "keys")
+Fusion = Literal[FUSIONS]
 
 
 @config_dataclass
@@ -39,6 +45,15 @@ class ReTraceConfig:
     # which rejected slots the memory keeps: "all" (the paper's design) or "agreed", only those where the
     # drafter's rejected token equals the target's own (argmax) token there in the same verify pass
     slots: Slots = "all"
+    fusion: Fusion = "embedding"
+
+    def __post_init__(self):
+        if self.fusion == "keys" and (self.signals, self.rank, self.gate) != ("both", None, True):
+            from retrace_jax.errors import ConfigError
+
+            raise ConfigError(f"retrace fusion 'keys' feeds the target's features to the drafter's attention and "
+                              f"has no correction, gate or rank: leave signals, rank and gate at their defaults "
+                              f"(got signals={self.signals!r}, rank={self.rank!r}, gate={self.gate!r})")
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any] | None) -> "ReTraceConfig | None":
@@ -47,10 +62,11 @@ class ReTraceConfig:
         if hf is None or hf == {}:
             return None
         keys = validated(ReTraceKeys, hf, parent="retrace_config")
-        return cls(keys.signals, keys.rank, keys.gate, keys.slots) if keys.enabled else None
+        return cls(keys.signals, keys.rank, keys.gate, keys.slots, keys.fusion) if keys.enabled else None
 
     def to_hf(self) -> dict[str, Any]:
-        return {"enabled": True, "signals": self.signals, "rank": self.rank, "gate": self.gate, "slots": self.slots}
+        return {"enabled": True, "signals": self.signals, "rank": self.rank, "gate": self.gate, "slots": self.slots,
+                "fusion": self.fusion}
 
 
 class ReTraceKeys(BaseModel):
@@ -63,6 +79,7 @@ class ReTraceKeys(BaseModel):
     rank: PositiveInt | None = None
     gate: Bool = True
     slots: Slots = "all"  # absent in checkpoints written before it existed: their design, "all"
+    fusion: Fusion = "embedding"  # likewise
 
 
 class Projection(nnx.Module):
@@ -113,7 +130,8 @@ class Memory:
     """The rejected-suffix buffer, one entry per next-block slot."""
 
     mem_d: jax.Array  # [B, W, d_draft] the drafter's rejected final-norm states
-    mem_t: jax.Array  # [B, W, d_target] the target's states that scored them
+    mem_t: jax.Array  # [B, W, d_target] the target's final-norm states that scored them; with fusion "keys"
+    #                   [B, W, F], the target's features there (its layers that the drafter reads)
     valid: jax.Array  # [B, W] bool
 
     @classmethod

@@ -199,10 +199,12 @@ def layer_of(stacked, layer):
     return jax.lax.dynamic_index_in_dim(stacked, layer, keepdims=False)
 
 
-def forward_beside_context(model: TargetModel, tokens_bt, positions_bt, ctx: KVCache, mask_bt_st):
+def forward_beside_context(model: TargetModel, tokens_bt, positions_bt, ctx: KVCache, mask_bt_st,
+                           feature_layers: Sequence[int] = ()):
     """Final-norm hidden states of tokens that attend to a fixed context cache (e.g. a teacher-forced
     sequence) and, as ``mask`` says, to each other; nothing is written to the cache. Training uses it to
-    verify many drafted blocks of one sequence in one pass."""
+    verify many drafted blocks of one sequence in one pass. With ``feature_layers``, returns
+    ``(hidden, features)`` (see :meth:`TargetModel.run_layers`)."""
 
     def attend_at(layer, carry):
         def attend(q, k, v):
@@ -212,8 +214,8 @@ def forward_beside_context(model: TargetModel, tokens_bt, positions_bt, ctx: KVC
 
         return attend
 
-    hidden, _, _ = model.run_layers(model.embed(tokens_bt), positions_bt, attend_at, None)
-    return hidden
+    hidden, _, features = model.run_layers(model.embed(tokens_bt), positions_bt, attend_at, None, feature_layers)
+    return (hidden, features) if feature_layers else hidden
 
 
 def prefill(model: TargetModel, tokens_bp, prompt_lens_b, cache: KVCache, feature_layers=(), attention="auto"):

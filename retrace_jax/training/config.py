@@ -34,7 +34,7 @@ from pydantic import (
 
 from retrace_jax.errors import ConfigError
 from retrace_jax.models.drafter import BlockSize
-from retrace_jax.models.retrace import Signals, Slots
+from retrace_jax.models.retrace import Fusion, Signals, Slots
 from retrace_jax.parallel.sharding import parse_mesh_spec
 from retrace_jax.training.retrace_loss import CORRECTION_SOURCES
 from retrace_jax.training.step import OBJECTIVES
@@ -176,6 +176,9 @@ class RetraceSection(Section):
     slots: Slots = doc("which rejected slots the memory keeps: all (the paper's design), or agreed: only where the "
                        "drafter's rejected token equals the target's own token from the same verify pass "
                        "(docs/retrace.md, \"Slots\")", "all")
+    fusion: Fusion = doc("where the memory enters the next block: embedding (the paper's gated residual into the "
+                         "block's input embeddings) or keys (an ablation: the target's features at the kept slots "
+                         "become extra keys and values of the block; no parameters of its own)", "embedding")
 
 
 class TrainSection(Section):

@@ -113,13 +113,24 @@ def sequence_context(drafter: DFlashDrafter, features_bsf):
 
 def draft_blocks(drafter: DFlashDrafter, target: TargetModel, ctx_kv, blocks: BlockBatch, memory=None, beta=1.0,
                  remat=False):
-    """Drafter final-norm hidden states of every block slot ``[B, A, W, d]`` (a ReTrace ``memory``
-    ``[B, A*W, ...]`` is fused into the block embeddings first)."""
+    """Drafter final-norm hidden states of every block slot ``[B, A, W, d]``. A ReTrace ``memory``
+    ``[B, A*W, ...]`` is fused into the block embeddings first, or (fusion "keys") its target features
+    become extra keys that each block's slots see for their own block, where valid."""
     b, a, k = blocks.tokens_baw.shape
     emb = batch_sharded(target.embed(blocks.tokens_baw.reshape(b, a * k)).astype(drafter.dtype))
-    if memory is not None:
-        emb = batch_sharded(drafter.retrace(emb, memory, beta))
-    hidden = drafter.forward(emb, blocks.positions_baw.reshape(b, a * k), ctx_kv, blocks.mask_bt_st, remat=remat)
+    positions = blocks.positions_baw.reshape(b, a * k)
+    extra = {}
+    if memory is not None and drafter.cfg.retrace.fusion == "keys":
+        mem_kv, mem_positions = drafter.memory_kv(memory, positions)
+        block_id = jnp.repeat(jnp.arange(a), k)
+        own = (block_id[:, None] == block_id[None, :])[None] & memory.valid[:, None, :]  # [B, T, A*W]
+        mask = jnp.concatenate([blocks.mask_bt_st, own], axis=-1)
+        extra = dict(memory_kv=mem_kv, memory_positions_bm=mem_positions)
+    else:
+        mask = blocks.mask_bt_st
+        if memory is not None:
+            emb = batch_sharded(drafter.retrace(emb, memory, beta))
+    hidden = drafter.forward(emb, positions, ctx_kv, mask, remat=remat, **extra)
     return batch_sharded(hidden).reshape(b, a, k, -1)
 
 

@@ -73,14 +73,17 @@ def loss_weights(rounds: int = DEFAULT_ROUNDS, weights=None, round1_weight=None)
     return tuple(float(w) for w in weights)
 
 
-def verify_blocks(target: TargetModel, seq_cache, blocks_baw, anchors_ba):
+def verify_blocks(target: TargetModel, seq_cache, blocks_baw, anchors_ba, feature_layers=()):
     """The target's final-norm states of drafted blocks ``[B, A, W, d]``: block ``i`` sits at positions
-    ``anchor_i + 0..W-1``, sees the sequence strictly before its anchor and its own earlier slots."""
+    ``anchor_i + 0..W-1``, sees the sequence strictly before its anchor and its own earlier slots. With
+    ``feature_layers``, also their features ``[B, A, W, F]``."""
     b, a, k = blocks_baw.shape
     mask = block_visibility(anchors_ba, seq_cache.max_len, k, causal=True)
     positions = (anchors_ba[:, :, None] + jnp.arange(k)).reshape(b, a * k)
-    hidden = forward_beside_context(target, blocks_baw.reshape(b, a * k), positions, seq_cache, mask)
-    return batch_sharded(hidden).reshape(b, a, k, -1)
+    out = forward_beside_context(target, blocks_baw.reshape(b, a * k), positions, seq_cache, mask, feature_layers)
+    if feature_layers:
+        return tuple(batch_sharded(x).reshape(b, a, k, -1) for x in out)
+    return batch_sharded(out).reshape(b, a, k, -1)
 
 
 def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss_mask_bs, anchors_ba, valid_ba,
@@ -126,12 +129,18 @@ def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss
         if r == rounds - 1:
             break
         # The target states that scored this round's proposals, and the next round's memory.
+        keys_fusion = cfg.retrace is not None and cfg.retrace.fusion == "keys"
         if correction_source == "verify":
             drafted = jnp.concatenate([blocks.labels_baw[:, :, :1], proposals], axis=-1)
-            target_states = verify_blocks(target, seq.cache, drafted, anchors)
+            if keys_fusion:  # the memory keeps the target's features; the agreed rule reads its states
+                target_states, scored = verify_blocks(target, seq.cache, drafted, anchors, cfg.target_layer_ids)
+            else:
+                target_states = scored = verify_blocks(target, seq.cache, drafted, anchors)
         else:
             idx = jnp.minimum(blocks.positions_baw, s - 1).reshape(b, -1)
             target_states = jnp.take_along_axis(seq.hidden, idx[..., None], axis=1).reshape(b, a_count, k, -1)
+            scored = (jnp.take_along_axis(seq.features, idx[..., None], axis=1).reshape(b, a_count, k, -1)
+                      if keys_fusion else target_states)
         agreed = None
         if cfg.retrace is not None and cfg.retrace.slots == "agreed":
             # the target's own tokens where its states scored the proposals: the argmax of the verify pass, or
@@ -140,7 +149,7 @@ def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss
                    else blocks.labels_baw[:, :, 1:])
             agreed = (proposals == own).reshape(b * a_count, k - 1)
         memory = shift_memory(hidden.reshape(b * a_count, k, -1),
-                              target_states.reshape(b * a_count, k, -1).astype(hidden.dtype), accepted.reshape(-1),
+                              scored.reshape(b * a_count, k, -1).astype(hidden.dtype), accepted.reshape(-1),
                               agreed)
         memory = jax.tree.map(lambda x: x.reshape((b, a_count * k) + x.shape[2:]), memory)
         if memory_dtype is not None:  # stored in memory_dtype, used in the compute dtype

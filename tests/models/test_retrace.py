@@ -128,7 +128,8 @@ def test_batched_retrace_rows_equal_rows_alone(qwen3, dflash_dir, trained_drafte
         assert (alone.tokens[0], alone.acceptance_lengths[0]) == (batched.tokens[i], batched.acceptance_lengths[i])
 
 
-@pytest.mark.parametrize("cfg", [rj.ReTraceConfig(), rj.ReTraceConfig(signals="drafter", rank=4, gate=False, slots="agreed")])
+@pytest.mark.parametrize("cfg", [rj.ReTraceConfig(), rj.ReTraceConfig(signals="drafter", rank=4, gate=False, slots="agreed"),
+                                 rj.ReTraceConfig(fusion="keys")])
 def test_retrace_checkpoint_round_trip(qwen3, dflash_dir, tmp_path, cfg):
     base = rj.load_drafter(dflash_dir, qwen3)
     import dataclasses
@@ -137,7 +138,7 @@ def test_retrace_checkpoint_round_trip(qwen3, dflash_dir, tmp_path, cfg):
     rj.save_drafter(drafter, str(tmp_path))
     with open(tmp_path / "config.json") as f:
         assert json.load(f)["retrace_config"] == {"enabled": True, "signals": cfg.signals, "rank": cfg.rank,
-                                                  "gate": cfg.gate, "slots": cfg.slots}
+                                                  "gate": cfg.gate, "slots": cfg.slots, "fusion": cfg.fusion}
     loaded = rj.load_drafter(str(tmp_path), qwen3)
     assert loaded.cfg == drafter.cfg
     for (p, a), (_, b) in zip(nnx.to_flat_state(nnx.state(drafter)), nnx.to_flat_state(nnx.state(loaded))):
@@ -160,6 +161,7 @@ def test_a_checkpoint_without_slots_keeps_the_design_it_was_trained_with(qwen3, 
         path = tmp_path / str(value) / "config.json"
         hf = json.loads(path.read_text())
         hf["retrace_config"].pop("slots")
+        hf["retrace_config"].pop("fusion")  # neither key existed then
         if value is not None:
             hf["retrace_config"]["slots"] = value
         path.write_text(json.dumps(hf))
@@ -167,7 +169,37 @@ def test_a_checkpoint_without_slots_keeps_the_design_it_was_trained_with(qwen3, 
             with pytest.raises(rj.ConfigError, match=r"retrace_config\.slots: must be 'all' or 'agreed', got 'some'"):
                 rj.load_drafter(str(tmp_path / str(value)), qwen3)
         else:
-            assert rj.load_drafter(str(tmp_path / str(value)), qwen3).cfg.retrace.slots == expect
+            loaded = rj.load_drafter(str(tmp_path / str(value)), qwen3).cfg.retrace
+            assert (loaded.slots, loaded.fusion) == (expect, "embedding")
+
+
+def test_the_keys_fusion_attends_to_valid_memory_slots_only(qwen3, trained_drafter):
+    """``fusion="keys"``: the memory's target features are extra keys of the block. Invalid slots change
+    nothing (whatever they hold), a memory with no valid slot drafts exactly as DFlash, and valid slots
+    change the drafter's states; a keys drafter has no parameters of its own, and takes no rank."""
+    import dataclasses
+
+    dflash, _ = trained_drafter
+    drafter = rj.DFlashDrafter(dataclasses.replace(dflash.cfg, retrace=rj.ReTraceConfig(fusion="keys")),
+                               rngs=nnx.Rngs(0))
+    nnx.update(drafter, nnx.state(dflash))
+    assert not hasattr(drafter, "retrace")
+    k, f = drafter.cfg.block_size, drafter.cfg.num_features * qwen3.cfg.hidden_size
+    rng = np.random.RandomState(4)
+    feats = jnp.asarray(rng.randn(2, 20, f).astype(np.float32))
+    cache = drafter.extend_cache(feats, drafter.init_cache(2, 64)).replace(lengths=jnp.asarray([9, 20], jnp.int32))
+    emb = qwen3.embed(jnp.full((2, k), drafter.cfg.mask_token_id, jnp.int32))
+    valid = jnp.asarray(np.arange(k)[None, :] % 2 == 1).repeat(2, 0).at[1].set(False)  # row 1: nothing valid
+    mem = Memory(jnp.zeros((2, k, drafter.cfg.hidden_size)), jnp.asarray(rng.randn(2, k, f).astype(np.float32)), valid)
+    garbage = mem.replace(mem_t=jnp.where(valid[..., None], mem.mem_t, 1e3))
+    plain = np.asarray(drafter.draft(emb, cache))
+    for attention in ("chunked", "dense"):
+        out = np.asarray(drafter.draft(emb, cache, mem, attention=attention))
+        np.testing.assert_allclose(out, np.asarray(drafter.draft(emb, cache, garbage, attention=attention)), atol=1e-5)
+        np.testing.assert_allclose(out[1], plain[1], atol=1e-5)  # no valid slot: DFlash
+        assert np.abs(out[0] - plain[0]).max() > 1e-3  # valid slots are attended to
+    with pytest.raises(rj.ConfigError, match="fusion 'keys'"):
+        rj.ReTraceConfig(fusion="keys", rank=4)
 
 
 def test_reference_pytorch_loads_the_dflash_part(qwen3, dflash_dir, tmp_path):

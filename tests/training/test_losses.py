@@ -110,6 +110,13 @@ def rollout_case_agreed(qwen3, trained_drafter):
     return _rollout_case(qwen3, trained_drafter, rj.ReTraceConfig(slots="agreed"))
 
 
+@pytest.fixture(scope="module")
+def rollout_case_keys(qwen3, trained_drafter):
+    """The same with ``fusion="keys"``: the memory holds the target's features, which the next round
+    attends to as extra keys (no fusion module)."""
+    return _rollout_case(qwen3, trained_drafter, rj.ReTraceConfig(fusion="keys"))
+
+
 def _rollout_case(qwen3, trained_drafter, retrace: rj.ReTraceConfig):
     dflash, prompts = trained_drafter
     cfg = dataclasses.replace(dflash.cfg, retrace=retrace)
@@ -132,12 +139,14 @@ def _rollout_case(qwen3, trained_drafter, retrace: rj.ReTraceConfig):
     @jax.jit
     def observe(tstate, dstate, carry):
         """The drafter's states of the round about to run and the teacher-forced target states of its
-        block (the sequence at ``start .. start+K-1``, seen through the round's own target cache)."""
+        block (the sequence at ``start .. start+K-1``, seen through the round's own target cache; with
+        the "keys" fusion its features, which that memory holds)."""
         target, drafter = nnx.merge(tdef, tstate), nnx.merge(ddef, dstate)
         hidden = draft_block(target, drafter, carry.anchor_b, carry.draft_cache, k, carry.memory)
         idx = jnp.minimum(carry.target_cache.lengths[:, None] + jnp.arange(k), s_len - 1)
-        teacher = target(jnp.take_along_axis(jnp.repeat(jnp.asarray(seq), rows, 0), idx, 1), carry.target_cache)
-        return hidden, teacher.hidden
+        teacher = target(jnp.take_along_axis(jnp.repeat(jnp.asarray(seq), rows, 0), idx, 1), carry.target_cache,
+                         feature_layers=cfg.target_layer_ids)
+        return hidden, (teacher.features if retrace.fusion == "keys" else teacher.hidden)
 
     return drafter, seq, anchors, loss_mask, (stepper, lambda carry: observe(tstate, dstate, carry))
 
@@ -172,13 +181,15 @@ def test_two_rounds_compute_the_two_round_rollout(qwen3, rollout_case, source):
 
 @pytest.mark.parametrize("case,source,rounds", [
     ("rollout_case", "verify", 2), ("rollout_case", "verify", 4), ("rollout_case", "teacher", 2),
-    ("rollout_case", "teacher", 4), ("rollout_case_agreed", "verify", 4), ("rollout_case_agreed", "teacher", 4)])
+    ("rollout_case", "teacher", 4), ("rollout_case_agreed", "verify", 4), ("rollout_case_agreed", "teacher", 4),
+    ("rollout_case_keys", "verify", 4), ("rollout_case_keys", "teacher", 4)])
 def test_rollout_equals_inference_rounds(qwen3, request, case, source, rounds):
     """The training rollout against ``rounds`` real inference rounds (``speculative_round`` through the
     stepper), every anchor a row whose prompt is the sequence up to it: the anchors, ``a``, the drafter's
     states and the memory of every round. With ``teacher`` the stepper's memory takes the teacher-forced
     target states of its round's block in place of the verify pass's (what that source trains). With
-    ``slots="agreed"`` the rollout drops the same memory slots as inference (some kept, some dropped)."""
+    ``slots="agreed"`` the rollout drops the same memory slots as inference (some kept, some dropped);
+    with ``fusion="keys"`` the memory holds the target's features, attended to as extra keys."""
     drafter, seq, anchors, loss_mask, (stepper, observe) = request.getfixturevalue(case)
     k, s_len = drafter.cfg.block_size, seq.shape[1]
     (ddef, dstate), (tdef, tstate) = nnx.split(drafter), nnx.split(qwen3)

@@ -164,6 +164,23 @@ def test_retrace_from_the_dflash_checkpoint(workspace, dflash_run):
     assert not any("eval_tau_memory_off" in r for r in _records(dflash_run[0]))  # no memory, no second τ
 
 
+def test_retrace_with_the_keys_fusion_trains_the_drafter_itself(workspace, dflash_run):
+    """``retrace.fusion: keys`` (an ablation): no fusion module; the memory's target features reach the
+    drafter's attention, so the rollout's later rounds train the drafter's own weights through them."""
+    root, config = workspace
+    out = str(root / "retrace_keys")
+    summary = train.main(["--config", config, "--set", f"out={out}", "--set", "train.objective=retrace",
+                          "--set", f"drafter.init={dflash_run[0]}/drafter", "--set", "train.steps=4",
+                          "--set", "retrace.fusion=keys", "--set", "train.retrace_lr_multiplier=2.0"])
+    target = rj.load_target(yaml.safe_load(open(config))["target"])
+    drafter = rj.load_drafter(summary["drafter"], target)
+    assert drafter.cfg.retrace == rj.ReTraceConfig(fusion="keys") and not hasattr(drafter, "retrace")
+    records = [r for r in _records(out) if "loss" in r]
+    assert {"loss_round4", "tau_round4"} <= set(records[0]) and np.isfinite(records[-1]["loss"])
+    prompts = json.load(open(root / "data" / "eval_prompts.json"))
+    assert rj.generate(target, prompts, 24, drafter=drafter).tokens == rj.generate(target, prompts, 24).tokens
+
+
 def test_data_preparation_resumes_and_keeps_finished_shards(tmp_path):
     prompts = [[i % 7 + 1, 3] for i in range(10)]
     settings = PrepareSettings(num_prompts=10, shard_size=4, max_prompt_len=8, max_new_tokens=3)
