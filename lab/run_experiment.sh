@@ -35,5 +35,6 @@ if [ "$ABLATIONS" = 1 ]; then                                # seed 0 of C, one 
   train $RUNS/C_no_gate lab/configs/C.yaml --set retrace.gate=false
   train $RUNS/C_teacher lab/configs/C.yaml --set train.correction_source=teacher
   train $RUNS/C_K2 lab/configs/C.yaml --set train.rounds=2
+  train $RUNS/C_keys lab/configs/C.yaml --set retrace.fusion=keys   # the memory as extra keys of the block
 fi
 python lab/ship_drafters.py                                  # lab/drafters/{A,B,C}: the seed-0 runs in bf16
