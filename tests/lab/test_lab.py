@@ -213,3 +213,18 @@ def test_shipped_lab_drafters_load_and_decode_losslessly():
         out = rj.generate(target, prompts, 40, drafter=drafter, stop_token_ids=[tokenizer.eos_token_id])
         assert out.tokens == plain, name
         assert out.tau() > 1.0, name
+
+
+def test_long_prompts_have_the_asked_length(tmp_path):
+    """``lab/long_prompts.py``: held-out prompts of exactly N tokens (after the text round trip) for
+    ``lab/evaluate.py --prompts``."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "p.jsonl"
+    _load_lab("long_prompts").main(["--tokens", "96", "--num-prompts", "5", "--new-tokens", "16", "--out", str(out)])
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "lab", "target"))
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 5 and len({r["prompt"] for r in records}) == 5
+    assert all(len(tokenizer.encode(r["prompt"])) == 96 for r in records)
