@@ -267,20 +267,20 @@ class DFlashDrafter(nnx.Module):
         return self.norm(h)
 
     def forward(self, emb_btd, positions_bt, ctx_kv, mask_bt_st, remat: bool = False, memory_kv=None,
-                memory_positions_bm=None):
+                memory_positions_be=None):
         """Block states against explicit per-layer context ``(k, v)`` and a mask ``[B, T, S + T]``
         (``mask[:, :, :S]`` covers the context, the rest the block's own keys): training's path.
 
         The context keys are those of positions ``0..S-1`` (as ``sequence_context`` makes them). A
         sliding-attention layer also hides every key more than its window away from the query
         (:func:`window_start`), the block's own keys at ``positions`` included. ``memory_kv`` (ReTrace's
-        "keys" fusion): per-layer ``(k, v)`` of ``M`` more keys at ``memory_positions``, after the
-        block's own; the mask is then ``[B, T, S + T + M]``."""
+        "keys" fusion): per-layer ``(k, v)`` of ``E`` more keys at ``memory_positions``, after the
+        block's own; the mask is then ``[B, T, S + T + E]``."""
         s = ctx_kv[0][0].shape[1]
         key_positions = [jnp.broadcast_to(jnp.arange(s, dtype=positions_bt.dtype), (positions_bt.shape[0], s)),
                          positions_bt]
         if memory_kv is not None:
-            key_positions.append(memory_positions_bm.astype(positions_bt.dtype))
+            key_positions.append(memory_positions_be.astype(positions_bt.dtype))
         distance = jnp.abs(positions_bt[:, :, None] - jnp.concatenate(key_positions, 1)[:, None, :])
 
         def attend_at(i):

@@ -125,7 +125,7 @@ def draft_blocks(drafter: DFlashDrafter, target: TargetModel, ctx_kv, blocks: Bl
         block_id = jnp.repeat(jnp.arange(a), k)
         own = (block_id[:, None] == block_id[None, :])[None] & memory.valid[:, None, :]  # [B, T, A*W]
         mask = jnp.concatenate([blocks.mask_bt_st, own], axis=-1)
-        extra = dict(memory_kv=mem_kv, memory_positions_bm=mem_positions)
+        extra = dict(memory_kv=mem_kv, memory_positions_be=mem_positions)
     else:
         mask = blocks.mask_bt_st
         if memory is not None:
