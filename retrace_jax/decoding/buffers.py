@@ -65,20 +65,22 @@ def clear_decode_buffers() -> None:
     POOL.clear()
 
 
+def cache_key(cfg, batch: int, max_len: int, dtype, mesh) -> tuple:
+    """What fixes a cache's buffers: the arguments of ``KVCache.zeros`` (layers, batch, max_len, KV heads,
+    head dim), the dtype's name and the mesh it is placed on."""
+    return (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim), jax.numpy.dtype(dtype).name, mesh
+
+
 @functools.cache
-def _empty(shape: tuple, dtype, mesh):
-    """A compiled program that returns an empty cache of ``shape = (layers, batch, max_len, kv heads,
-    head dim)`` placed as the decode programs place it (one per distinct shape: no recompiles)."""
-    return jax.jit(lambda: KVCache.zeros(*shape, dtype).constrain(mesh))
+def _empty(sizes: tuple, dtype: str, mesh):
+    """A compiled program that returns an empty cache placed as the decode programs place it (one per
+    :func:`cache_key`: no recompiles)."""
+    return jax.jit(lambda: KVCache.zeros(*sizes, dtype).constrain(mesh))
 
 
 def empty_cache(cfg, batch: int, max_len: int, dtype, mesh=None) -> KVCache:
     """An empty cache for a stack of decoder blocks of shape ``cfg``, as ``KVCache.for_decoder`` makes it."""
-    return _empty((cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim), jax.numpy.dtype(dtype), mesh)()
-
-
-def cache_key(cfg, batch: int, max_len: int, dtype, mesh) -> tuple:
-    return (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, jax.numpy.dtype(dtype).name, mesh)
+    return _empty(*cache_key(cfg, batch, max_len, dtype, mesh))()
 
 
 def take_spare(specs) -> tuple[tuple, tuple[KVCache, ...]]:
@@ -91,9 +93,13 @@ def take_spare(specs) -> tuple[tuple, tuple[KVCache, ...]]:
     return key, caches
 
 
-def check_spare(spare: KVCache, expected: KVCache, what: str) -> KVCache:
-    """``spare`` with its lengths zeroed, after checking (at trace time) that it has the shapes and
-    dtypes of ``expected`` (an abstract empty cache); raises ``ValueError`` naming ``what`` otherwise."""
+def spare_or_new(model, batch: int, max_len: int, dtype, spare: KVCache | None, what: str) -> KVCache:
+    """Inside a decode program: ``model.init_cache(batch, max_len, dtype)``, or ``spare`` with its lengths
+    zeroed after checking (at trace time) that it has that cache's shapes and dtypes; raises
+    ``ValueError`` naming ``what`` otherwise."""
+    if spare is None:
+        return model.init_cache(batch, max_len, dtype)
+    expected = jax.eval_shape(lambda: model.init_cache(batch, max_len, dtype))
     got = [(x.shape, x.dtype) for x in (spare.k, spare.v)]
     want = [(x.shape, x.dtype) for x in (expected.k, expected.v)]
     if got != want:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from retrace_jax.decoding.buffers import check_spare
+from retrace_jax.decoding.buffers import spare_or_new
 from retrace_jax.decoding.commit import OutputBuffer, commit, stop_non_finite
 from retrace_jax.decoding.layer_loop import decode_weights, merge_target
 from retrace_jax.decoding.programs import DecodeProgram
@@ -44,11 +44,7 @@ def plain_init(model, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampl
     """Prefill and the first token of each row (key step 0), into ``spare`` (a cache of the right shape
     whose contents are stale: see ``retrace_jax/decoding/buffers.py``) or a new empty cache."""
     batch, prompt_len = tokens_bp.shape
-    if spare is None:
-        cache = model.init_cache(batch, prompt_len + capacity, cache_dtype).constrain(mesh)
-    else:
-        expected = jax.eval_shape(lambda: model.init_cache(batch, prompt_len + capacity, cache_dtype))
-        cache = check_spare(spare, expected, "plain_generate").constrain(mesh)
+    cache = spare_or_new(model, batch, prompt_len + capacity, cache_dtype, spare, "plain_generate").constrain(mesh)
     logits_bv, cache, _ = prefill(model, tokens_bp, prompt_lens_b, cache, attention=attention)
     consts = StepConstants(row_keys(sampling.seed, batch), jnp.asarray(max_new, jnp.int32), stop_ids, sampling,
                            mode=mode, mesh=mesh, attention=attention)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from retrace_jax.decoding.buffers import check_spare
+from retrace_jax.decoding.buffers import spare_or_new
 from retrace_jax.decoding.commit import OutputBuffer, commit, stop_non_finite
 from retrace_jax.decoding.layer_loop import decode_weights, merge_target
 from retrace_jax.decoding.plain import StepConstants
@@ -135,11 +135,8 @@ def speculative_init(models, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids
     layer_ids = drafter.cfg.target_layer_ids
     batch, prompt_len = tokens_bp.shape
     max_len = prompt_len + capacity + block_size  # a verify block may reach past the last kept token
-    if spare is None:
-        caches = (target.init_cache(batch, max_len, cache_dtype), drafter.init_cache(batch, max_len, cache_dtype))
-    else:
-        caches = tuple(check_spare(s, jax.eval_shape(lambda m=m: m.init_cache(batch, max_len, cache_dtype)), what)
-                       for s, m, what in zip(spare, models, ("the target's cache", "the drafter's cache")))
+    caches = [spare_or_new(m, batch, max_len, cache_dtype, s, what) for m, s, what in
+              zip(models, spare or (None, None), ("the target's cache", "the drafter's cache"))]
     logits_bv, target_cache, features = prefill(
         target, tokens_bp, prompt_lens_b, caches[0].constrain(mesh), feature_layers=layer_ids, attention=attention,
     )

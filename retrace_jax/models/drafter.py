@@ -287,12 +287,12 @@ class DFlashDrafter(nnx.Module):
             ctx_k, ctx_v = ctx_kv[i]
             window = self.cfg.window(i)
             mask = mask_bt_st if window is None else mask_bt_st & (distance < window)
-            if memory_kv is None:
-                return lambda q, k, v: (attention_beside_context(q, k, v, ctx_k, ctx_v, mask), None)
-            mem_k, mem_v = memory_kv[i]
-            return lambda q, k, v: (attention_beside_context(q, jnp.concatenate([k, mem_k.astype(k.dtype)], 1),
-                                                             jnp.concatenate([v, mem_v.astype(v.dtype)], 1),
-                                                             ctx_k, ctx_v, mask), None)
+
+            def attend(q, k, v):
+                k, v = with_memory(k, v, memory_kv, i)
+                return attention_beside_context(q, k, v, ctx_k, ctx_v, mask), None
+
+            return attend
 
         return self.run_layers(emb_btd, positions_bt, attend_at, remat)
 
@@ -315,6 +315,7 @@ class DFlashDrafter(nnx.Module):
         b, t, _ = emb_btd.shape
         positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
         limit = jnp.broadcast_to(cache.lengths[:, None], (b, t))
+        mem_kv = valid = None
         if keys_fusion:
             mem_kv, _ = self.memory_kv(memory, positions)
             valid = jnp.concatenate([jnp.ones((b, t), bool), memory.valid], 1)  # the block's keys, then the memory's
@@ -322,16 +323,25 @@ class DFlashDrafter(nnx.Module):
         def attend_at(i):
             window = self.cfg.window(i)
             start = None if window is None else window_start(positions, window)
-            if not keys_fusion:
-                return lambda q, k, v: (cached_attention(q, cache.k, cache.v, i, limit, k, v, start_bt=start,
-                                                         implementation=attention), None)
-            mem_k, mem_v = mem_kv[i]
-            return lambda q, k, v: (cached_attention(q, cache.k, cache.v, i, limit,
-                                                     jnp.concatenate([k, mem_k.astype(k.dtype)], 1),
-                                                     jnp.concatenate([v, mem_v.astype(v.dtype)], 1), start_bt=start,
-                                                     extra_valid_be=valid, implementation=attention), None)
+
+            def attend(q, k, v):
+                k, v = with_memory(k, v, mem_kv, i)
+                return cached_attention(q, cache.k, cache.v, i, limit, k, v, start_bt=start, extra_valid_be=valid,
+                                        implementation=attention), None
+
+            return attend
 
         return self.run_layers(emb_btd, positions, attend_at)
+
+
+def with_memory(k_btkd, v_btkd, memory_kv, layer: int):
+    """The block's keys and values, followed by the memory's of ``layer`` when there is a memory (ReTrace's
+    "keys" fusion: :meth:`DFlashDrafter.memory_kv`)."""
+    if memory_kv is None:
+        return k_btkd, v_btkd
+    mem_k, mem_v = memory_kv[layer]
+    return (jnp.concatenate([k_btkd, mem_k.astype(k_btkd.dtype)], 1),
+            jnp.concatenate([v_btkd, mem_v.astype(v_btkd.dtype)], 1))
 
 
 def drafter_config(target_cfg, *, mask_token_id: int, num_layers: int = 1, block_size: int = 16,

@@ -122,9 +122,8 @@ def draft_blocks(drafter: DFlashDrafter, target: TargetModel, ctx_kv, blocks: Bl
     extra = {}
     if memory is not None and drafter.cfg.retrace.fusion == "keys":
         mem_kv, mem_positions = drafter.memory_kv(memory, positions)
-        block_id = jnp.repeat(jnp.arange(a), k)
-        own = (block_id[:, None] == block_id[None, :])[None] & memory.valid[:, None, :]  # [B, T, A*W]
-        mask = jnp.concatenate([blocks.mask_bt_st, own], axis=-1)
+        own = blocks.mask_bt_st[:, :, -a * k:]  # [B, T, A*W]: each slot's own block (the drafter's is whole)
+        mask = jnp.concatenate([blocks.mask_bt_st, own & memory.valid[:, None, :]], axis=-1)
         extra = dict(memory_kv=mem_kv, memory_positions_be=mem_positions)
     else:
         mask = blocks.mask_bt_st

@@ -75,10 +75,10 @@ def test_the_pool_keeps_the_last_sizes_and_clears():
     for n in sizes:
         rj.generate(target, [[1, 2]], n)
     assert len(pooled()) == buffers.KEEP == 4
-    capacities = [key[0][2] for key in pooled()]  # the caches' max_len: prompt bucket + capacity
+    capacities = [key[0][0][2] for key in pooled()]  # the cache sizes' max_len: prompt bucket + capacity
     assert capacities == [16 + 64, 16 + 128, 16 + 256, 16 + 512]  # the most recent four, oldest first
     rj.generate(target, [[3]], 40)  # a kept size is taken and put back as the most recent
-    assert [key[0][2] for key in pooled()] == [16 + 128, 16 + 256, 16 + 512, 16 + 64]
+    assert [key[0][0][2] for key in pooled()] == [16 + 128, 16 + 256, 16 + 512, 16 + 64]
     rj.clear_decode_buffers()
     assert pooled() == {}
     rj.generate(target, [[1, 2]], 10)  # and decoding goes on with new buffers
