@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from retrace_jax.models.layers import join_projections
 from retrace_jax.models.target import TargetModel
 
 LAYER_LOOPS = ("auto", "scan", "unrolled")
@@ -19,7 +20,8 @@ LAYER_LOOPS = ("auto", "scan", "unrolled")
 class DecodeWeights:
     """Copies of the target's weights that an unrolled decode program reads instead of the stacked ones.
 
-    ``layers``: one parameter pytree per layer (:meth:`TargetModel.layer_slices`). ``head_dv``: a tied
+    ``layers``: one block state per layer and ``block_def`` their graph (:meth:`TargetModel.decode_layers`:
+    the projections joined). ``head_dv``: a tied
     LM head as ``[d, V]`` (None for an untied head, whose kernel is ``[d, V]`` already). XLA's CPU
     backend multiplies several rows by a ``[V, d]`` matrix contracted on ``d`` several times more slowly
     than by the same matrix laid out ``[d, V]`` (``benchmarks/lm_head.py``), and a verify pass or a drafted
@@ -27,6 +29,7 @@ class DecodeWeights:
 
     layers: list
     head_dv: jax.Array | None
+    block_def: nnx.GraphDef = struct.field(pytree_node=False)
 
 
 def resolve_layer_loop(layer_loop: str = "auto") -> str:
@@ -47,10 +50,10 @@ def merge_target(graphdef, state, layer_loop: str = "auto", kept: DecodeWeights 
         return model
     if kept is None:
         return model.unroll_layers()
-    return model.unroll_layers(kept.layers).with_head_dv(kept.head_dv)
+    return model.unroll_layers((kept.block_def, kept.layers)).with_head_dv(kept.head_dv)
 
 
-_KEPT = weakref.WeakKeyDictionary()  # target -> (the arrays the copies were made from, DecodeWeights)
+_KEPT = weakref.WeakKeyDictionary()  # model -> (the arrays the copies were made from, the copies)
 
 
 def decode_weights(target: TargetModel, layer_loop: str = "auto") -> DecodeWeights | None:
@@ -69,9 +72,28 @@ def decode_weights(target: TargetModel, layer_loop: str = "auto") -> DecodeWeigh
     kept = _KEPT.get(target)
     if kept is not None and len(kept[0]) == len(leaves) and all(a is b for a, b in zip(kept[0], leaves)):
         return kept[1]
-    weights = DecodeWeights(target.layer_slices(), _transposed(leaves[-1]) if tied else None)
+    block_def, layers = target.decode_layers()
+    weights = DecodeWeights(layers, _transposed(leaves[-1]) if tied else None, block_def)
     _KEPT[target] = (tuple(leaves), weights)
     return weights
+
+
+def decode_drafter(drafter, layer_loop: str = "auto"):
+    """The drafter as the decode programs run it: with an unrolled layer loop (CPU), a copy whose blocks
+    have their projections joined (:func:`~retrace_jax.models.layers.join_projections`), made once and
+    kept while the drafter lives, remade when its arrays change (a second copy of the drafter's weights,
+    as :func:`decode_weights` keeps one of the target's); with a scan, the drafter itself."""
+    if resolve_layer_loop(layer_loop) != "unrolled":
+        return drafter
+    leaves = jax.tree.leaves(nnx.state(drafter))
+    kept = _KEPT.get(drafter)
+    if kept is not None and len(kept[0]) == len(leaves) and all(a is b for a, b in zip(kept[0], leaves)):
+        return kept[1]
+    joined = nnx.clone(drafter)
+    for i, block in enumerate(joined.layers):
+        joined.layers[i] = join_projections(block)
+    _KEPT[drafter] = (tuple(leaves), joined)
+    return joined
 
 
 @jax.jit

@@ -24,7 +24,7 @@ from flax import nnx, struct
 
 from retrace_jax.decoding.buffers import spare_or_new
 from retrace_jax.decoding.commit import OutputBuffer, commit, stop_non_finite
-from retrace_jax.decoding.layer_loop import decode_weights, merge_target
+from retrace_jax.decoding.layer_loop import decode_drafter, decode_weights, merge_target
 from retrace_jax.decoding.plain import StepConstants
 from retrace_jax.decoding.programs import DecodeProgram
 from retrace_jax.decoding.sampling import SamplingMode, SamplingParams, argmax, row_keys, step_keys
@@ -253,6 +253,7 @@ class SpeculativeStepper:
 
     def __init__(self, target, drafter, layer_loop: str = "auto", **static):
         self._layer_loop = layer_loop
+        drafter = decode_drafter(drafter, layer_loop)
         self._defs = (nnx.graphdef(target), nnx.graphdef(drafter))
         self._states = (nnx.state(target), nnx.state(drafter))
         self._kept = decode_weights(target, layer_loop)
