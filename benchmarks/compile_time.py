@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
 from retrace_jax.decoding import programs  # noqa: E402
-from retrace_jax.decoding.generation import bucket  # noqa: E402
+from retrace_jax.decoding.generation import bucket, prompt_bucket  # noqa: E402
 from retrace_jax.decoding.layer_loop import decode_weights  # noqa: E402
 from retrace_jax.decoding.plain import plain_generate  # noqa: E402
 from retrace_jax.decoding.sampling import SamplingParams  # noqa: E402
@@ -117,7 +117,7 @@ def main(argv=None):
     slice_s = time.perf_counter() - start
 
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size - 1, args.prompt_len)
-    tokens = np.zeros((1, bucket(args.prompt_len)), np.int32)
+    tokens = np.zeros((1, prompt_bucket(args.prompt_len)), np.int32)
     tokens[0, : args.prompt_len] = prompt
     data = (tokens, np.asarray([args.prompt_len], np.int32), np.ones((1,), bool), np.int32(args.tokens),
             np.full((8,), -1, np.int32), SamplingParams.make())

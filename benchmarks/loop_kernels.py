@@ -75,7 +75,7 @@ def main(argv=None):
     tokens = np.zeros((1, 16), np.int32)
     call = (tokens, np.asarray([8], np.int32), np.ones((1,), bool), np.int32(args.capacity), np.full((8,), -1, np.int32),
             SamplingParams.make())
-    (tdef, tstate), (ddef, dstate) = nnx.split(target), nnx.split(decode_drafter(drafter, args.layer_loop))
+    (tdef, tstate), (ddef, dstate) = nnx.split(target), decode_drafter(drafter, args.layer_loop)
     slices = decode_weights(target, args.layer_loop)
     common = dict(capacity=args.capacity, layer_loop=args.layer_loop, kept=slices)
     programs = {

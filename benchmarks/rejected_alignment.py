@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
 from benchmarks.speculative_eval import DEFAULT_SPEC_BENCH, parse_drafters, pick, read_datasets  # noqa: E402
-from retrace_jax.decoding.generation import _check_prompts, _pad_prompts, _pad_stops, _sampling_mode, bucket  # noqa: E402
+from retrace_jax.decoding.generation import _check_prompts, _pad_prompts, _pad_stops, _sampling_mode, bucket, prompt_bucket  # noqa: E402
 from retrace_jax.decoding.layer_loop import resolve_layer_loop  # noqa: E402
 from retrace_jax.decoding.sampling import SamplingParams  # noqa: E402
 from retrace_jax.decoding.speculative import SpeculativeStepper  # noqa: E402
@@ -118,7 +118,7 @@ def stepped_generate(target, drafter, prompts, max_new_tokens: int, *, stop_toke
     batch = _check_prompts(target, prompts, max_new_tokens)
     check_drafter_matches(drafter.cfg, target.cfg)
     block_size = drafter.cfg.block_size if block_size is None else int(block_size)
-    tokens, lens, live = _pad_prompts(prompts, bucket(batch, 1), bucket(max(map(len, prompts))))
+    tokens, lens, live = _pad_prompts(prompts, bucket(batch, 1), prompt_bucket(max(map(len, prompts))))
     stepper = SpeculativeStepper(target, drafter, layer_loop=resolve_layer_loop(layer_loop),
                                  capacity=bucket(max_new_tokens), block_size=block_size,
                                  use_retrace=bool(use_retrace), mode=_sampling_mode(0.0, 0, 1.0, "argmax"))

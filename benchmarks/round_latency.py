@@ -115,7 +115,7 @@ def main():
     if args.draft_vocab:
         drafter = with_draft_vocab(drafter, np.arange(args.draft_vocab))
     tdef, tstate = nnx.split(target)
-    ddef, dstate = nnx.split(decode_drafter(drafter))
+    ddef, dstate = decode_drafter(drafter)
     k = args.block_size
     ids = drafter.cfg.target_layer_ids
     sampling, stops = SamplingParams.make(), jnp.full((8,), -1, jnp.int32)

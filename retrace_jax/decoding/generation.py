@@ -49,6 +49,15 @@ def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
+def prompt_bucket(n: int, minimum: int = MIN_BUCKET) -> int:
+    """The padded prompt length for a longest prompt of ``n`` tokens: the next power of two or one and a
+    half times a power of two (16, 24, 32, 48, 64, 96, 128, 192, ...), at least ``minimum``. The prefill
+    computes every padded position, so at most a third of it is padding (half with powers of two
+    alone, e.g. 96 tokens padded to 128), for twice as many prompt sizes that compile."""
+    power = bucket(n, minimum)
+    return max(minimum, power * 3 // 4) if n <= power * 3 // 4 else power
+
+
 def generate(
     target: TargetModel,
     prompts: Sequence[Sequence[int]],
@@ -85,9 +94,9 @@ def generate(
 
     With a ``mesh`` (see ``rj.make_mesh``) the same program runs sharded: parameters by the
     logical-axis rules (placed there if they are not yet), caches and batch over the data axis, heads
-    over the tensor axis; the batch is padded to a multiple of the data axis. The batch, prompt length,
-    ``max_new_tokens`` and stop list are padded to buckets, so calls whose sizes fall into the same
-    buckets reuse the compiled program.
+    over the tensor axis; the batch is padded to a multiple of the data axis. The batch, prompt length
+    (:func:`prompt_bucket`), ``max_new_tokens`` and stop list are padded to buckets, so calls whose sizes
+    fall into the same buckets reuse the compiled program.
 
     ``cache_dtype`` ("float32" or "bfloat16"; default: the target's dtype) stores both KV caches in that
     type. ``attention`` chooses the attention implementation ("auto", "chunked", "dense", "cudnn",
@@ -132,11 +141,11 @@ def generate(
         rows = -(-rows // data) * data
         target = shard_model(target, mesh)
         drafter = None if drafter is None else shard_model(drafter, mesh)
-    tokens, lens, live = _pad_prompts(prompts, rows, bucket(max(map(len, prompts))))
+    tokens, lens, live = _pad_prompts(prompts, rows, prompt_bucket(max(map(len, prompts))))
     if mesh is not None:
         tokens, lens, live = (jax.device_put(x, batch_sharding(mesh, x.ndim)) for x in (tokens, lens, live))
     target_def, target_state = nnx.split(target)
-    kept = decode_weights(target, layer_loop)
+    kept = decode_weights(target, layer_loop, target_state)
     max_new = np.int32(max_new_tokens)
     prompt_len = tokens.shape[1]
 
@@ -156,7 +165,7 @@ def generate(
 
     check_drafter_matches(drafter.cfg, target.cfg)
     block_size = drafter.cfg.block_size if block_size is None else block_size
-    drafter_def, drafter_state = nnx.split(decode_drafter(drafter, layer_loop))
+    drafter_def, drafter_state = decode_drafter(drafter, layer_loop)
     max_len = prompt_len + capacity + block_size
     key, spare = take_spare([cache_of(target, max_len), cache_of(drafter, max_len)])
     buf, accept, rounds, spare = speculative_generate(

@@ -56,19 +56,21 @@ def merge_target(graphdef, state, layer_loop: str = "auto", kept: DecodeWeights 
 _KEPT = weakref.WeakKeyDictionary()  # model -> (the arrays the copies were made from, the copies)
 
 
-def decode_weights(target: TargetModel, layer_loop: str = "auto") -> DecodeWeights | None:
+def decode_weights(target: TargetModel, layer_loop: str = "auto", state: nnx.State | None = None) -> DecodeWeights | None:
     """The weights an unrolled program reads (``None`` for a scan), made once and kept beside the target
     while it lives: a second copy of the layer weights, which an unrolled program would otherwise slice
     out at every call (one copy of the weights per call, and one compiled slice per layer and weight,
     which adds much compile time to a deep model; docs/performance.md measures it), and a tied head's
     ``[d, V]`` copy. The copies are remade when the target's arrays change (JAX arrays are immutable, so
-    new weights are new arrays)."""
+    new weights are new arrays). ``state``: the target's ``nnx.state``, when the caller has it already
+    (it saves walking the target's graph once more)."""
     if resolve_layer_loop(layer_loop) != "unrolled":
         return None
-    leaves = jax.tree.leaves(nnx.split(target.layers)[1])
+    state = nnx.state(target) if state is None else state
+    leaves = jax.tree.leaves(state["layers"])
     tied = target.cfg.tie_word_embeddings
     if tied:
-        leaves.append(target.embed_tokens.embedding.get_value())
+        leaves.append(state["embed_tokens"]["embedding"].get_value())
     kept = _KEPT.get(target)
     if kept is not None and len(kept[0]) == len(leaves) and all(a is b for a, b in zip(kept[0], leaves)):
         return kept[1]
@@ -78,13 +80,15 @@ def decode_weights(target: TargetModel, layer_loop: str = "auto") -> DecodeWeigh
     return weights
 
 
-def decode_drafter(drafter, layer_loop: str = "auto"):
-    """The drafter as the decode programs run it: with an unrolled layer loop (CPU), a copy whose blocks
-    have their projections joined (:func:`~retrace_jax.models.layers.join_projections`), made once and
-    kept while the drafter lives, remade when its arrays change (a second copy of the drafter's weights,
-    as :func:`decode_weights` keeps one of the target's); with a scan, the drafter itself."""
+def decode_drafter(drafter, layer_loop: str = "auto") -> tuple[nnx.GraphDef, nnx.State]:
+    """The drafter as the decode programs run it, split (``graphdef, state``): with an unrolled layer
+    loop (CPU), a copy whose blocks have their projections joined
+    (:func:`~retrace_jax.models.layers.join_projections`), made once and kept, split, while the drafter
+    lives, and remade when its arrays change (a second copy of the drafter's weights, as
+    :func:`decode_weights` keeps one of the target's; nothing else holds the copy, so its split state
+    cannot go stale); with a scan, the drafter itself."""
     if resolve_layer_loop(layer_loop) != "unrolled":
-        return drafter
+        return nnx.split(drafter)
     leaves = jax.tree.leaves(nnx.state(drafter))
     kept = _KEPT.get(drafter)
     if kept is not None and len(kept[0]) == len(leaves) and all(a is b for a, b in zip(kept[0], leaves)):
@@ -92,8 +96,9 @@ def decode_drafter(drafter, layer_loop: str = "auto"):
     joined = nnx.clone(drafter)
     for i, block in enumerate(joined.layers):
         joined.layers[i] = join_projections(block)
-    _KEPT[drafter] = (tuple(leaves), joined)
-    return joined
+    split = nnx.split(joined)
+    _KEPT[drafter] = (tuple(leaves), split)
+    return split
 
 
 @jax.jit

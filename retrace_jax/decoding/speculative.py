@@ -253,10 +253,9 @@ class SpeculativeStepper:
 
     def __init__(self, target, drafter, layer_loop: str = "auto", **static):
         self._layer_loop = layer_loop
-        drafter = decode_drafter(drafter, layer_loop)
-        self._defs = (nnx.graphdef(target), nnx.graphdef(drafter))
-        self._states = (nnx.state(target), nnx.state(drafter))
-        self._kept = decode_weights(target, layer_loop)
+        (target_def, target_state), (drafter_def, drafter_state) = nnx.split(target), decode_drafter(drafter, layer_loop)
+        self._defs, self._states = (target_def, drafter_def), (target_state, drafter_state)
+        self._kept = decode_weights(target, layer_loop, target_state)
         self.consts = self.carry = None
 
         def init(states, kept, *args):

@@ -189,16 +189,18 @@ def test_unrolled_programs_keep_a_joined_drafter_that_follows_the_drafter():
     import weakref
 
     import numpy as np
+    from flax import nnx
 
     from retrace_jax.decoding.layer_loop import decode_drafter
     from retrace_jax.models.tiny import tiny_target
 
     target = tiny_target()
     drafter = rj.init_drafter(target.cfg, mask_token_id=511, num_layers=2, block_size=4)
-    assert decode_drafter(drafter, "scan") is drafter
+    assert decode_drafter(drafter, "scan")[0] == nnx.graphdef(drafter)  # a scan runs the drafter itself
     first = decode_drafter(drafter, "unrolled")
-    assert first is not drafter and decode_drafter(drafter, "unrolled") is first
-    assert hasattr(first.layers[1].self_attn, "qkv_proj") and hasattr(drafter.layers[1].self_attn, "q_proj")
+    assert decode_drafter(drafter, "unrolled") is first  # kept: made once
+    joined = nnx.merge(*first)
+    assert hasattr(joined.layers[1].self_attn, "qkv_proj") and hasattr(drafter.layers[1].self_attn, "q_proj")
 
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
     want = rj.generate(target, prompts, 12).tokens
@@ -212,11 +214,11 @@ def test_unrolled_programs_keep_a_joined_drafter_that_follows_the_drafter():
                                                    layer_loop="scan").acceptance_lengths
     again = decode_drafter(drafter, "unrolled")
     assert again is not first
-    gate_up = again.layers[0].mlp.gate_up_proj.kernel[...]
+    gate_up = again[1]["layers"][0]["mlp"]["gate_up_proj"]["kernel"][...]
     np.testing.assert_array_equal(gate_up[:, gate_up.shape[1] // 2:], kernel[...])
 
-    kept = weakref.ref(again.layers[0].mlp.gate_up_proj.kernel[...])
-    del drafter, first, again, kernel, gate_up
+    kept = weakref.ref(again[1]["layers"][0]["mlp"]["gate_up_proj"]["kernel"][...])
+    del drafter, first, again, kernel, gate_up, joined
     gc.collect()
     assert kept() is None
 
@@ -297,3 +299,13 @@ def test_compile_seconds_sees_each_stage_of_a_compilation_once():
     with programs.compile_seconds() as again:
         rj.generate(target, [[6, 7]], max_new_tokens=5)
     assert again == {}
+
+
+def test_prompt_buckets_pad_at_most_a_third_of_the_prefill():
+    from retrace_jax.decoding.generation import MIN_BUCKET, prompt_bucket
+
+    assert [prompt_bucket(n) for n in (1, 16, 17, 25, 33, 49, 65, 96, 97, 129, 193)] == \
+        [16, 16, 24, 32, 48, 64, 96, 96, 128, 192, 256]
+    sizes = [prompt_bucket(n) for n in range(1, 5000)]
+    assert sizes == sorted(sizes) and all(s >= n for n, s in enumerate(sizes, 1))
+    assert all(n > (2 * s) // 3 or s == MIN_BUCKET for n, s in enumerate(sizes, 1))  # padding below a third

@@ -119,7 +119,7 @@ def program_hlo(program: str, layer_loop: str, capacity: int):
         else:
             slots = 16 + capacity + 8
             drafter = rj.init_drafter(target.cfg, mask_token_id=511, num_layers=2, block_size=8)
-            ddef, dstate = nnx.split(decode_drafter(drafter, layer_loop))
+            ddef, dstate = decode_drafter(drafter, layer_loop)
             spare = (empty_cache(target.cfg, 2, slots, target.dtype), empty_cache(drafter.cfg, 2, slots, drafter.dtype))
             lowered = speculative_generate.lower(tdef, tstate, ddef, dstate, *args, capacity=capacity, block_size=8,
                                                  layer_loop=layer_loop, spare=spare)
