@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
 from benchmarks.hlo import computations, entry_loops  # noqa: E402
-from retrace_jax.decoding.layer_loop import decode_drafter, decode_weights  # noqa: E402
+from retrace_jax.decoding.layer_loop import decode_weights  # noqa: E402
 from retrace_jax.decoding.plain import plain_generate  # noqa: E402
 from retrace_jax.decoding.sampling import SamplingParams  # noqa: E402
 from retrace_jax.decoding.speculative import speculative_generate  # noqa: E402
@@ -75,7 +75,7 @@ def main(argv=None):
     tokens = np.zeros((1, 16), np.int32)
     call = (tokens, np.asarray([8], np.int32), np.ones((1,), bool), np.int32(args.capacity), np.full((8,), -1, np.int32),
             SamplingParams.make())
-    (tdef, tstate), (ddef, dstate) = nnx.split(target), decode_drafter(drafter, args.layer_loop)
+    (tdef, tstate), (ddef, dstate) = nnx.split(target), nnx.split(drafter)
     slices = decode_weights(target, args.layer_loop)
     common = dict(capacity=args.capacity, layer_loop=args.layer_loop, kept=slices)
     programs = {

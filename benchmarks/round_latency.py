@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import retrace_jax as rj  # noqa: E402
 from benchmarks.device_check import PRESETS  # noqa: E402  (Qwen3-4B/8B shapes, published drafter)
 from benchmarks.report import median_ms_from, report  # noqa: E402
-from retrace_jax.decoding.layer_loop import decode_drafter, decode_weights, merge_target  # noqa: E402
+from retrace_jax.decoding.layer_loop import decode_weights, merge_target  # noqa: E402
 from retrace_jax.decoding.plain import PlainStepper  # noqa: E402
 from retrace_jax.decoding.programs import DecodeProgram  # noqa: E402
 from retrace_jax.decoding.sampling import SamplingParams, argmax  # noqa: E402
@@ -115,7 +115,7 @@ def main():
     if args.draft_vocab:
         drafter = with_draft_vocab(drafter, np.arange(args.draft_vocab))
     tdef, tstate = nnx.split(target)
-    ddef, dstate = decode_drafter(drafter)
+    ddef, dstate = nnx.split(drafter)
     k = args.block_size
     ids = drafter.cfg.target_layer_ids
     sampling, stops = SamplingParams.make(), jnp.full((8,), -1, jnp.int32)

@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from retrace_jax.attention import IMPLEMENTATIONS
 from retrace_jax.decoding.buffers import POOL, take_spare
-from retrace_jax.decoding.layer_loop import decode_drafter, decode_weights, resolve_layer_loop
+from retrace_jax.decoding.layer_loop import decode_weights, resolve_layer_loop
 from retrace_jax.decoding.plain import plain_generate
 from retrace_jax.decoding.sampling import SamplingMode, SamplingParams
 from retrace_jax.decoding.speculative import speculative_generate
@@ -165,7 +165,7 @@ def generate(
 
     check_drafter_matches(drafter.cfg, target.cfg)
     block_size = drafter.cfg.block_size if block_size is None else block_size
-    drafter_def, drafter_state = decode_drafter(drafter, layer_loop)
+    drafter_def, drafter_state = nnx.split(drafter)
     max_len = prompt_len + capacity + block_size
     key, spare = take_spare([cache_of(target, max_len), cache_of(drafter, max_len)])
     buf, accept, rounds, spare = speculative_generate(

@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from retrace_jax.models.layers import join_projections
 from retrace_jax.models.target import TargetModel
 
 LAYER_LOOPS = ("auto", "scan", "unrolled")
@@ -20,8 +19,7 @@ LAYER_LOOPS = ("auto", "scan", "unrolled")
 class DecodeWeights:
     """Copies of the target's weights that an unrolled decode program reads instead of the stacked ones.
 
-    ``layers``: one block state per layer and ``block_def`` their graph (:meth:`TargetModel.decode_layers`:
-    the projections joined). ``head_dv``: a tied
+    ``layers``: one parameter pytree per layer (:meth:`TargetModel.layer_slices`). ``head_dv``: a tied
     LM head as ``[d, V]`` (None for an untied head, whose kernel is ``[d, V]`` already). XLA's CPU
     backend multiplies several rows by a ``[V, d]`` matrix contracted on ``d`` several times more slowly
     than by the same matrix laid out ``[d, V]`` (``benchmarks/lm_head.py``), and a verify pass or a drafted
@@ -29,7 +27,6 @@ class DecodeWeights:
 
     layers: list
     head_dv: jax.Array | None
-    block_def: nnx.GraphDef = struct.field(pytree_node=False)
 
 
 def resolve_layer_loop(layer_loop: str = "auto") -> str:
@@ -50,10 +47,10 @@ def merge_target(graphdef, state, layer_loop: str = "auto", kept: DecodeWeights 
         return model
     if kept is None:
         return model.unroll_layers()
-    return model.unroll_layers((kept.block_def, kept.layers)).with_head_dv(kept.head_dv)
+    return model.unroll_layers(kept.layers).with_head_dv(kept.head_dv)
 
 
-_KEPT = weakref.WeakKeyDictionary()  # model -> (the arrays the copies were made from, the copies)
+_KEPT = weakref.WeakKeyDictionary()  # target -> (the arrays the copies were made from, DecodeWeights)
 
 
 def decode_weights(target: TargetModel, layer_loop: str = "auto", state: nnx.State | None = None) -> DecodeWeights | None:
@@ -74,31 +71,9 @@ def decode_weights(target: TargetModel, layer_loop: str = "auto", state: nnx.Sta
     kept = _KEPT.get(target)
     if kept is not None and len(kept[0]) == len(leaves) and all(a is b for a, b in zip(kept[0], leaves)):
         return kept[1]
-    block_def, layers = target.decode_layers()
-    weights = DecodeWeights(layers, _transposed(leaves[-1]) if tied else None, block_def)
+    weights = DecodeWeights(target.layer_slices(), _transposed(leaves[-1]) if tied else None)
     _KEPT[target] = (tuple(leaves), weights)
     return weights
-
-
-def decode_drafter(drafter, layer_loop: str = "auto") -> tuple[nnx.GraphDef, nnx.State]:
-    """The drafter as the decode programs run it, split (``graphdef, state``): with an unrolled layer
-    loop (CPU), a copy whose blocks have their projections joined
-    (:func:`~retrace_jax.models.layers.join_projections`), made once and kept, split, while the drafter
-    lives, and remade when its arrays change (a second copy of the drafter's weights, as
-    :func:`decode_weights` keeps one of the target's; nothing else holds the copy, so its split state
-    cannot go stale); with a scan, the drafter itself."""
-    if resolve_layer_loop(layer_loop) != "unrolled":
-        return nnx.split(drafter)
-    leaves = jax.tree.leaves(nnx.state(drafter))
-    kept = _KEPT.get(drafter)
-    if kept is not None and len(kept[0]) == len(leaves) and all(a is b for a, b in zip(kept[0], leaves)):
-        return kept[1]
-    joined = nnx.clone(drafter)
-    for i, block in enumerate(joined.layers):
-        joined.layers[i] = join_projections(block)
-    split = nnx.split(joined)
-    _KEPT[drafter] = (tuple(leaves), split)
-    return split
 
 
 @jax.jit

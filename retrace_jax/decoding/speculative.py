@@ -24,7 +24,7 @@ from flax import nnx, struct
 
 from retrace_jax.decoding.buffers import spare_or_new
 from retrace_jax.decoding.commit import OutputBuffer, commit, stop_non_finite
-from retrace_jax.decoding.layer_loop import decode_drafter, decode_weights, merge_target
+from retrace_jax.decoding.layer_loop import decode_weights, merge_target
 from retrace_jax.decoding.plain import StepConstants
 from retrace_jax.decoding.programs import DecodeProgram
 from retrace_jax.decoding.sampling import SamplingMode, SamplingParams, argmax, row_keys, step_keys
@@ -253,7 +253,7 @@ class SpeculativeStepper:
 
     def __init__(self, target, drafter, layer_loop: str = "auto", **static):
         self._layer_loop = layer_loop
-        (target_def, target_state), (drafter_def, drafter_state) = nnx.split(target), decode_drafter(drafter, layer_loop)
+        (target_def, target_state), (drafter_def, drafter_state) = nnx.split(target), nnx.split(drafter)
         self._defs, self._states = (target_def, drafter_def), (target_state, drafter_state)
         self._kept = decode_weights(target, layer_loop, target_state)
         self.consts = self.carry = None

@@ -4,7 +4,7 @@ decoder block serve both (shape letters: see ``retrace_jax/attention/``)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -40,21 +40,8 @@ def linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear
     )
 
 
-def joined_linear(parts: Sequence[nnx.Linear]) -> nnx.Linear:
-    """One dense layer whose output is the outputs of ``parts`` (same input, dtype and bias flag) side by
-    side: their kernels ``[in, out_i]`` and biases concatenated along the output axis."""
-    first = parts[0]
-    kernel = jnp.concatenate([p.kernel[...] for p in parts], axis=-1)
-    bias = jnp.concatenate([p.bias[...] for p in parts], axis=-1) if first.use_bias else None
-    return nnx.Linear(first.in_features, kernel.shape[-1], use_bias=first.use_bias, dtype=first.dtype,
-                      param_dtype=kernel.dtype, kernel_init=lambda *_: kernel,
-                      bias_init=(lambda *_: bias) if first.use_bias else nnx.initializers.zeros,
-                      rngs=nnx.Rngs(0))
-
-
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``. After :func:`join_projections` the gate and
-    up projections are one product (``gate_up_proj``)."""
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
 
     def __init__(self, dim: int, hidden: int, bias: bool, dtype, rngs: nnx.Rngs):
         self.gate_proj = linear(dim, hidden, bias, dtype, rngs)
@@ -62,11 +49,7 @@ class MLP(nnx.Module):
         self.down_proj = linear(hidden, dim, bias, dtype, rngs)
 
     def __call__(self, x):
-        if hasattr(self, "gate_up_proj"):
-            gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def rope(x_bthd, positions_bt, theta: float):
@@ -104,9 +87,7 @@ Attend = Callable[..., tuple]
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention: projections, optional q/k RMSNorm, RoPE at absolute positions. After
-    :func:`join_projections` the query, key and value projections are one product (``qkv_proj``,
-    outputs ``[q | k | v]``)."""
+    """Grouped-query attention: projections, optional q/k RMSNorm, RoPE at absolute positions."""
 
     def __init__(self, spec: BlockSpec, dtype, rngs: nnx.Rngs):
         d, h, kv, hd = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -121,44 +102,26 @@ class Attention(nnx.Module):
 
     def keys_values(self, x_btd, positions_bt):
         """Keys (normed when the model has q/k norms, rotated) and values ``[B, T, K, D]`` of ``x``."""
-        if hasattr(self, "qkv_proj"):  # the key and value columns of the joined product
-            q_width = self.spec.num_heads * self.spec.head_dim
-            joined = self.qkv_proj
-            kv = x_btd @ joined.kernel[:, q_width:].astype(x_btd.dtype)
-            if joined.use_bias:
-                kv = kv + joined.bias[q_width:]
-            k, v = jnp.split(kv, 2, axis=-1)
-        else:
-            k, v = self.k_proj(x_btd), self.v_proj(x_btd)
-        return self._keys(k, positions_bt), self._heads(v, self.spec.num_kv_heads)
+        spec = self.spec
+        b, t, _ = x_btd.shape
+        k = self.k_proj(x_btd).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+        v = self.v_proj(x_btd).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+        if spec.qk_norm:
+            k = self.k_norm(k)
+        return rope(k, positions_bt, spec.rope_theta), v
 
     def queries(self, x_btd, positions_bt):
-        return self._queries(self.q_proj(x_btd), positions_bt)
-
-    def _heads(self, x_btn, heads):
-        return x_btn.reshape(*x_btn.shape[:2], heads, self.spec.head_dim)
-
-    def _keys(self, k_btn, positions_bt):
-        k = self._heads(k_btn, self.spec.num_kv_heads)
-        if self.spec.qk_norm:
-            k = self.k_norm(k)
-        return rope(k, positions_bt, self.spec.rope_theta)
-
-    def _queries(self, q_btn, positions_bt):
-        q = self._heads(q_btn, self.spec.num_heads)
-        if self.spec.qk_norm:
+        spec = self.spec
+        b, t, _ = x_btd.shape
+        q = self.q_proj(x_btd).reshape(b, t, spec.num_heads, spec.head_dim)
+        if spec.qk_norm:
             q = self.q_norm(q)
-        return rope(q, positions_bt, self.spec.rope_theta)
+        return rope(q, positions_bt, spec.rope_theta)
 
     def __call__(self, x_btd, positions_bt, attend: Attend):
         b, t, _ = x_btd.shape
-        if hasattr(self, "qkv_proj"):
-            q_width, kv_width = (n * self.spec.head_dim for n in (self.spec.num_heads, self.spec.num_kv_heads))
-            q, k, v = jnp.split(self.qkv_proj(x_btd), [q_width, q_width + kv_width], axis=-1)
-            q, k, v = self._queries(q, positions_bt), self._keys(k, positions_bt), self._heads(v, self.spec.num_kv_heads)
-        else:
-            (k, v), q = self.keys_values(x_btd, positions_bt), self.queries(x_btd, positions_bt)
-        out, aux = attend(q, k, v)
+        k, v = self.keys_values(x_btd, positions_bt)
+        out, aux = attend(self.queries(x_btd, positions_bt), k, v)
         return self.o_proj(out.reshape(b, t, -1)), aux
 
 
@@ -175,17 +138,3 @@ class DecoderBlock(nnx.Module):
         attn, aux = self.self_attn(self.input_layernorm(x_btd), positions_bt, attend)
         x_btd = x_btd + attn
         return x_btd + self.mlp(self.post_attention_layernorm(x_btd)), aux
-
-
-def join_projections(block: DecoderBlock) -> DecoderBlock:
-    """A copy of ``block`` (unstacked) that computes the same function with fewer, wider products: the
-    query, key and value projections as one (``qkv_proj``) and the gate and up projections as one
-    (``gate_up_proj``). The decode programs use it for the copies of the weights that they keep beside
-    the model on CPU (``retrace_jax/decoding/layer_loop.py``): a verify pass or a drafted block then
-    launches three products fewer per layer. Each output column is the same dot product as before."""
-    joined = nnx.clone(block)
-    attn, mlp = joined.self_attn, joined.mlp
-    attn.qkv_proj = joined_linear([attn.q_proj, attn.k_proj, attn.v_proj])
-    mlp.gate_up_proj = joined_linear([mlp.gate_proj, mlp.up_proj])
-    del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
-    return joined

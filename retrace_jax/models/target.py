@@ -6,7 +6,6 @@ The decoder blocks are stacked (every parameter has a leading layer axis ``L``) 
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Sequence
 
 import jax
@@ -16,7 +15,7 @@ from flax import nnx
 from retrace_jax.attention import FRESH_KERNELS, attention_beside_context, cached_attention, fresh_attention
 from retrace_jax.models.config import ModelConfig
 from retrace_jax.models.kv_cache import KVCache
-from retrace_jax.models.layers import DecoderBlock, RMSNorm, join_projections, linear
+from retrace_jax.models.layers import DecoderBlock, RMSNorm, linear
 
 
 def stack_modules(modules: Sequence[nnx.Module]) -> nnx.Module:
@@ -88,18 +87,10 @@ class TargetModel(nnx.Module):
         _, params = nnx.split(self.layers)
         return [jax.tree.map(lambda a, i=i: layer_of(a, i), params) for i in range(self.cfg.num_layers)]
 
-    def decode_layers(self) -> tuple:
-        """The blocks as the unrolled decode programs run them: ``(graphdef, [state per layer])``, each
-        layer sliced out of the stacked weights (copies, on CPU) with its projections joined
-        (:func:`~retrace_jax.models.layers.join_projections`: three products fewer per layer)."""
-        graphdef, _ = nnx.split(self.layers)
-        blocks = [join_projections(nnx.merge(graphdef, params)) for params in self.layer_slices()]
-        return nnx.graphdef(blocks[0]), [nnx.state(b) for b in blocks]
-
-    def unroll_layers(self, layers: tuple | None = None) -> "TargetModel":
-        """Runs later calls as a Python loop over per-layer blocks instead of a ``lax.scan``: those of
-        ``layers`` made earlier by :meth:`decode_layers`, or made here (call it inside a jitted program,
-        before its decode loop).
+    def unroll_layers(self, slices: list | None = None) -> "TargetModel":
+        """Slices the stacked blocks into separate per-layer arrays, once (call it inside a jitted program
+        before its decode loop), or takes ``slices`` made earlier by :meth:`layer_slices`: later calls
+        then run a Python loop over them instead of a ``lax.scan``.
 
         A scan slices each layer's weights out of the stacked arrays at every step, and on CPU that slice
         is a copy, which made batch-1 decoding of SmolLM2-135M (memory-bound) 1.6x slower; the unrolled
@@ -108,8 +99,7 @@ class TargetModel(nnx.Module):
         ``generate(layer_loop="unrolled")`` uses it with the copies that
         :func:`~retrace_jax.decoding.layer_loop.decode_weights` keeps beside the target, so that its
         programs slice nothing (its prefill still scans: see :func:`prefill`)."""
-        block_def, states = self.decode_layers() if layers is None else layers
-        object.__setattr__(self, "_per_layer", (block_def, list(states)))
+        object.__setattr__(self, "_per_layer", self.layer_slices() if slices is None else list(slices))
         return self
 
     def with_head_dv(self, head_dv) -> "TargetModel":
@@ -136,8 +126,8 @@ class TargetModel(nnx.Module):
         kept = sorted(set(feature_layers) - {num_layers - 1})
         graphdef, params = nnx.split(self.layers)
 
-        def block(x, carry, layer_params, layer, block_def=graphdef):
-            return nnx.merge(block_def, layer_params)(x, positions_bt, attend_at(layer, carry))
+        def block(x, carry, layer_params, layer):
+            return nnx.merge(graphdef, layer_params)(x, positions_bt, attend_at(layer, carry))
 
         per_layer = None if scan_layers else getattr(self, "_per_layer", None)
         if per_layer is None:
@@ -161,9 +151,7 @@ class TargetModel(nnx.Module):
             # speed (docs/performance.md). The features are the chosen layers' outputs themselves (no
             # buffer updated layer by layer).
             traced = isinstance(x_btd, jax.core.Tracer)
-            block_def, per_layer = per_layer
-            step = functools.partial(block, block_def=block_def)
-            step = jax.jit(step) if traced else step
+            step = jax.jit(block) if traced else block
             x, outputs = x_btd, {}
             for i, layer_params in enumerate(per_layer):
                 x, carry = step(x, carry, layer_params, jnp.int32(i) if traced else i)

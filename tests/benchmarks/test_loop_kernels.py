@@ -6,11 +6,10 @@ import pytest
 from benchmarks import loop_kernels
 
 # The counts at the default shapes (random 4-layer Qwen3, 1-layer drafter, block 8; the unrolled layer
-# loop and XLA options of generate on CPU) when the bound was set: 173 per plain step, 277 per round
-# (185 and 286 before the decode copies joined the q/k/v and gate/up projections).
+# loop and XLA options of generate on CPU) when the bound was set: 185 per plain step, 292 per round.
 # docs/performance.md ("Kernels per step") reports them; a change that adds kernels raises the bound
 # there and here, with its reason.
-BOUNDS = {"plain step": 178, "speculative round": 285}
+BOUNDS = {"plain step": 190, "speculative round": 300}
 
 
 def test_kernels_per_iteration_stay_within_their_bounds(capsys):

@@ -182,47 +182,6 @@ def test_unrolled_programs_keep_per_layer_weights_that_follow_the_target():
     assert kept() is None
 
 
-def test_unrolled_programs_keep_a_joined_drafter_that_follows_the_drafter():
-    """On CPU the speculative programs run a copy of the drafter with its projections joined, made once
-    and kept while the drafter lives; new weights make a new copy, and the tokens follow them."""
-    import gc
-    import weakref
-
-    import numpy as np
-    from flax import nnx
-
-    from retrace_jax.decoding.layer_loop import decode_drafter
-    from retrace_jax.models.tiny import tiny_target
-
-    target = tiny_target()
-    drafter = rj.init_drafter(target.cfg, mask_token_id=511, num_layers=2, block_size=4)
-    assert decode_drafter(drafter, "scan")[0] == nnx.graphdef(drafter)  # a scan runs the drafter itself
-    first = decode_drafter(drafter, "unrolled")
-    assert decode_drafter(drafter, "unrolled") is first  # kept: made once
-    joined = nnx.merge(*first)
-    assert hasattr(joined.layers[1].self_attn, "qkv_proj") and hasattr(drafter.layers[1].self_attn, "q_proj")
-
-    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
-    want = rj.generate(target, prompts, 12).tokens
-    before = rj.generate(target, prompts, 12, drafter=drafter, layer_loop="unrolled")
-    assert before.tokens == want
-    kernel = drafter.layers[0].mlp.up_proj.kernel
-    kernel.set_value(-kernel[...])  # other drafts, the same tokens
-    after = rj.generate(target, prompts, 12, drafter=drafter, layer_loop="unrolled")
-    assert after.tokens == want
-    assert after.acceptance_lengths == rj.generate(target, prompts, 12, drafter=drafter,
-                                                   layer_loop="scan").acceptance_lengths
-    again = decode_drafter(drafter, "unrolled")
-    assert again is not first
-    gate_up = again[1]["layers"][0]["mlp"]["gate_up_proj"]["kernel"][...]
-    np.testing.assert_array_equal(gate_up[:, gate_up.shape[1] // 2:], kernel[...])
-
-    kept = weakref.ref(again[1]["layers"][0]["mlp"]["gate_up_proj"]["kernel"][...])
-    del drafter, first, again, kernel, gate_up, joined
-    gc.collect()
-    assert kept() is None
-
-
 def test_decode_programs_compile_with_the_cpu_options_on_cpu(monkeypatch):
     """On CPU the decode programs go to XLA with CPU_COMPILER_OPTIONS: a bad option there fails the
     compilation, so the options do reach XLA; with the real ones the result is the plain jit's. Extra

@@ -13,7 +13,6 @@ from flax import nnx
 import retrace_jax as rj
 from benchmarks.hlo import computations, loop_lines
 from retrace_jax.decoding.buffers import empty_cache
-from retrace_jax.decoding.layer_loop import decode_drafter
 from retrace_jax.decoding.plain import plain_generate
 from retrace_jax.decoding.sampling import SamplingParams
 from retrace_jax.decoding.speculative import speculative_generate
@@ -119,7 +118,7 @@ def program_hlo(program: str, layer_loop: str, capacity: int):
         else:
             slots = 16 + capacity + 8
             drafter = rj.init_drafter(target.cfg, mask_token_id=511, num_layers=2, block_size=8)
-            ddef, dstate = decode_drafter(drafter, layer_loop)
+            ddef, dstate = nnx.split(drafter)
             spare = (empty_cache(target.cfg, 2, slots, target.dtype), empty_cache(drafter.cfg, 2, slots, drafter.dtype))
             lowered = speculative_generate.lower(tdef, tstate, ddef, dstate, *args, capacity=capacity, block_size=8,
                                                  layer_loop=layer_loop, spare=spare)

@@ -34,8 +34,7 @@ def test_cached_decoding_with_ragged_rows_matches_hf(family, hf_model_dir, layer
     model, directory = hf_model_dir(family)
     target = rj.load_target(directory)
     if layer_loop == "unrolled":
-        kept = decode_weights(target, "unrolled")
-        target.unroll_layers((kept.block_def, kept.layers))  # the decode steps; the prefill scans
+        target.unroll_layers(decode_weights(target, "unrolled").layers)  # the decode steps; the prefill scans
     rng = np.random.RandomState(1)
     lens = [3, 7]
     seqs = [rng.randint(0, 128, (lens[b] + 6,)) for b in range(2)]
