@@ -5,10 +5,13 @@
 # (ignored by git).
 #   pip install -e '.[bench]' && bash lab/run_experiment.sh
 #   SEEDS="0" ABLATIONS=0 bash lab/run_experiment.sh       # seed 0 of B and C only
+#   LONG_SEEDS="0 1 2" bash lab/run_experiment.sh           # the 1,200-step budget at three seeds
+#                                                           # (docs/results.md, "Four times the budget")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SEEDS="${SEEDS:-0 1 2}"
 ABLATIONS="${ABLATIONS:-1}"
+LONG_SEEDS="${LONG_SEEDS:-0}"  # seed 0 at least: the shipped C is C_agreed_long_s0
 RUNS=lab/work/runs
 
 train() {  # train OUT CONFIG [--set KEY=VALUE ...]
@@ -37,4 +40,15 @@ if [ "$ABLATIONS" = 1 ]; then                                # seed 0 of C, one 
   train $RUNS/C_K2 lab/configs/C.yaml --set train.rounds=2
   train $RUNS/C_keys lab/configs/C.yaml --set retrace.fusion=keys   # the memory as extra keys of the block
 fi
-python lab/ship_drafters.py                                  # lab/drafters/{A,B,C}: the seed-0 runs in bf16
+# Four times the budget: B and C from the shipped bf16 A (as the shipped C was trained), 1,200 steps each,
+# the ReTrace module's learning rate 4 times the drafter's; then the keys ablation at that budget (seed 0).
+LONG=(--set drafter.init=lab/drafters/A --set train.steps=1200 --set train.eval_every=200)
+for s in $LONG_SEEDS; do
+  train $RUNS/B_long_s$s lab/configs/B.yaml "${LONG[@]}" --set train.seed=$s
+  train $RUNS/C_agreed_long_s$s lab/configs/C.yaml "${LONG[@]}" --set train.retrace_lr_multiplier=4.0 --set train.seed=$s
+done
+if [ -n "$LONG_SEEDS" ] && [ "$ABLATIONS" = 1 ]; then
+  train $RUNS/C_keys_long_s0 lab/configs/C.yaml "${LONG[@]}" --set train.retrace_lr_multiplier=4.0 \
+    --set retrace.fusion=keys
+fi
+python lab/ship_drafters.py                                  # lab/drafters/{A,B,C} in bf16 (see the script)

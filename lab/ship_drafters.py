@@ -1,6 +1,8 @@
-"""Copies the seed-0 laboratory drafters into ``lab/drafters/{A,B,C}`` in bf16 (the committed copies).
+"""Copies the seed-0 laboratory drafters into ``lab/drafters/{A,B,C}`` in bf16 (the committed copies):
+A, the 300-step B, and the C of the 1,200-step budget (``C_agreed_long_s0``: lab/README.md, "The shipped
+C changed").
 
-    python lab/ship_drafters.py      # after lab/run_experiment.sh (or the three train.py runs)
+    python lab/ship_drafters.py      # after lab/run_experiment.sh (or the train.py runs)
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ sys.path.insert(0, os.path.dirname(LAB))
 import retrace_jax as rj  # noqa: E402
 from retrace_jax.io.atomic import to_plain_directory  # noqa: E402
 
-RUNS = {"A": "A", "B": "B_s0", "C": "C_s0"}
+RUNS = {"A": "A", "B": "B_s0", "C": "C_agreed_long_s0"}
 
 
 def main(argv=None) -> None:
