@@ -95,7 +95,7 @@ class PlainStepper:
 
     def __init__(self, target, layer_loop: str = "auto", **static):
         self._def, self._state = nnx.split(target)
-        self._kept = decode_weights(target, layer_loop)
+        self._kept = decode_weights(target, layer_loop, self._state)
         self.consts = self.carry = None
 
         def init(state, kept, *args):
