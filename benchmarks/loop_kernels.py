@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
 from benchmarks.hlo import computations, entry_loops  # noqa: E402
+from retrace_jax.decoding.buffers import empty_cache  # noqa: E402
 from retrace_jax.decoding.layer_loop import decode_weights  # noqa: E402
 from retrace_jax.decoding.plain import plain_generate  # noqa: E402
 from retrace_jax.decoding.sampling import SamplingParams  # noqa: E402
@@ -76,12 +77,17 @@ def main(argv=None):
     call = (tokens, np.asarray([8], np.int32), np.ones((1,), bool), np.int32(args.capacity), np.full((8,), -1, np.int32),
             SamplingParams.make())
     (tdef, tstate), (ddef, dstate) = nnx.split(target), nnx.split(drafter)
-    slices = decode_weights(target, args.layer_loop)
+    slices = decode_weights(target, args.layer_loop, tstate)
     common = dict(capacity=args.capacity, layer_loop=args.layer_loop, kept=slices)
+    # As generate calls them: decoding in donated spare caches (retrace_jax/decoding/buffers.py). Without
+    # them a program makes its caches itself, and XLA copies a small cache that it cannot update in place.
+    plain_len, spec_len = tokens.shape[1] + args.capacity, tokens.shape[1] + args.capacity + args.block_size
     programs = {
-        "plain step": plain_generate.lower(tdef, tstate, *call, **common),
-        "speculative round": speculative_generate.lower(tdef, tstate, ddef, dstate, *call,
-                                                        block_size=args.block_size, **common),
+        "plain step": plain_generate.lower(tdef, tstate, *call, **common,
+                                           spare=empty_cache(cfg, 1, plain_len, target.dtype)),
+        "speculative round": speculative_generate.lower(
+            tdef, tstate, ddef, dstate, *call, block_size=args.block_size, **common,
+            spare=(empty_cache(cfg, 1, spec_len, target.dtype), empty_cache(drafter.cfg, 1, spec_len, drafter.dtype))),
     }
     rows = {}
     for name, lowered in programs.items():

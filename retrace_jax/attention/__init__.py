@@ -84,9 +84,9 @@ __all__ = ["FRESH_KERNELS", "IMPLEMENTATIONS", "KV_CHUNK", "PALLAS_GPU_MAX_T", "
 
 def cache_slots(n: int, chunk: int = KV_CHUNK) -> int:
     """The number of slots to allocate for ``n`` positions, so that the chunked walk tiles the cache
-    exactly: ``n`` itself up to one small chunk, the next multiple of the small chunk up to one chunk,
-    else the next multiple of the chunk. A cache that is one chunk walked whole makes XLA's CPU backend
-    copy the cache at every step (its slice covers the whole layer), so only tiny caches are."""
+    exactly: ``n`` itself up to one small chunk (read whole), the next multiple of the small chunk up to
+    one chunk, else the next multiple of the chunk. Only tiny caches are read whole: a short text in a
+    larger one then costs what its filled chunks cost."""
     small = min(SMALL_CHUNK, chunk)
     if n <= small:
         return n

@@ -61,7 +61,12 @@ def walk_cache(q_btkgd, limit_bt, *, k_lbksd, v_lbksd, layer, chunk, extra, extr
         return first, last
 
     tail = chunk if tail_chunk is None else tail_chunk
-    if tail == chunk:
+    if chunk == k_lbksd.shape[3]:
+        # A cache of one chunk is read whole, without a loop. In a loop of at most one iteration the read
+        # was loop-invariant, and at batch 1 XLA's CPU backend then copied the whole stacked cache before
+        # each layer's write (tests/decoding/test_inplace.py, a cache of one chunk).
+        state = one_chunk(chunk, 0, state)
+    elif tail == chunk:
         first, last = bounds(chunk, lo, top)
         state = jax.lax.fori_loop(first, last, functools.partial(one_chunk, chunk), state)
     else:

@@ -161,6 +161,33 @@ def test_a_batch_of_one_does_not_copy_the_tied_head_per_step():
     assert not head_copies(hlo)
 
 
+@pytest.mark.parametrize("program", ["plain", "speculative"])
+def test_a_cache_of_one_chunk_is_not_copied_per_layer(program):
+    """A cache of up to one small chunk (a short text) is read whole. Read in a walk of at most one
+    chunk, the read was loop-invariant; at batch 1 XLA then copied the whole stacked cache before each
+    layer's write: L copies of L layers at every step."""
+    target = tiny_target()
+    tdef, tstate = nnx.split(target)
+    args = (np.zeros((1, 16), np.int32), np.asarray([5], np.int32), np.ones((1,), bool), np.int32(48),
+            np.full((8,), -1, np.int32), SamplingParams.make())
+    if program == "plain":
+        slots = 16 + 48
+        spare = empty_cache(target.cfg, 1, slots, target.dtype)
+        lowered = plain_generate.lower(tdef, tstate, *args, capacity=48, layer_loop="unrolled", spare=spare)
+        shapes = [_cache_shape(target.cfg, 1, slots)]
+    else:
+        slots = 16 + 48 + 8
+        drafter = rj.init_drafter(target.cfg, mask_token_id=511, num_layers=2, block_size=8)
+        ddef, dstate = nnx.split(drafter)
+        spare = (empty_cache(target.cfg, 1, slots, target.dtype), empty_cache(drafter.cfg, 1, slots, drafter.dtype))
+        lowered = speculative_generate.lower(tdef, tstate, ddef, dstate, *args, capacity=48, block_size=8,
+                                             layer_loop="unrolled", spare=spare)
+        shapes = [_cache_shape(target.cfg, 1, slots), _cache_shape(drafter.cfg, 1, slots)]
+    hlo = users_hlo(lowered)
+    found = [c for shape in shapes for c in whole_copies(hlo, shape)]
+    assert not found, "\n".join(found)
+
+
 def test_detector_finds_a_hoisted_layer_slice():
     """The control: unrolled layers that each write their layer, then walk it in chunks, slicing the
     layer first and the chunk second. The layer's slice does not depend on the chunk, so XLA moves it out
