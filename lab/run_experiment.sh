@@ -41,7 +41,8 @@ if [ "$ABLATIONS" = 1 ]; then                                # seed 0 of C, one 
   train $RUNS/C_keys lab/configs/C.yaml --set retrace.fusion=keys   # the memory as extra keys of the block
 fi
 # Four times the budget: B and C from the shipped bf16 A (as the shipped C was trained), 1,200 steps each,
-# the ReTrace module's learning rate 4 times the drafter's; then the keys ablation at that budget (seed 0).
+# the ReTrace module's learning rate 4 times the drafter's; then, at that budget (seed 0), the two ablations
+# of where the memory enters: the target's states as extra keys of the block, and the drafter's states alone.
 LONG=(--set drafter.init=lab/drafters/A --set train.steps=1200 --set train.eval_every=200)
 for s in $LONG_SEEDS; do
   train $RUNS/B_long_s$s lab/configs/B.yaml "${LONG[@]}" --set train.seed=$s
@@ -50,5 +51,7 @@ done
 if [ -n "$LONG_SEEDS" ] && [ "$ABLATIONS" = 1 ]; then
   train $RUNS/C_keys_long_s0 lab/configs/C.yaml "${LONG[@]}" --set train.retrace_lr_multiplier=4.0 \
     --set retrace.fusion=keys
+  train $RUNS/C_sig_drafter_long_s0 lab/configs/C.yaml "${LONG[@]}" --set train.retrace_lr_multiplier=4.0 \
+    --set retrace.signals=drafter
 fi
 python lab/ship_drafters.py                                  # lab/drafters/{A,B,C} in bf16 (see the script)
