@@ -166,11 +166,16 @@ def _prepare(cfg: TrainConfig, log) -> str:
     stops = [t for t in ([tokenizer.eos_token_id] if tokenizer is not None else []) if t is not None]
 
     def generate_fn(chunk, first_index):
-        tokens = []
+        # Batches of prompts of similar length: the prefill computes every padded position of the batch's
+        # longest prompt, so a shard is generated in order of length and put back in its own order.
+        order = sorted(range(len(chunk)), key=lambda j: len(chunk[j]))
+        tokens = [None] * len(chunk)
         for i in range(0, len(chunk), d.gen_batch_size):
-            res = generate(target, chunk[i : i + d.gen_batch_size], d.max_new_tokens, drafter=drafter,
+            rows = order[i : i + d.gen_batch_size]
+            res = generate(target, [chunk[j] for j in rows], d.max_new_tokens, drafter=drafter,
                            temperature=d.temperature, stop_token_ids=stops, seed=first_index + i)
-            tokens += res.tokens
+            for j, new in zip(rows, res.tokens):
+                tokens[j] = new
         return tokens
 
     start = time.perf_counter()
