@@ -10,8 +10,15 @@ of docs/results.md; prompts that no training step saw).
 Datasets: the six Spec-Bench groups (MT-Bench's 80 questions, first turn, as one group; translation,
 summarization, qa, math_reasoning, rag; shipped in ``retrace_jax/assets/data``) and HumanEval
 (``scripts/fetch_assets.py humaneval``), with
-``--per-dataset`` prompts spread evenly over each file. Prompts longer than ``--max-prompt-len`` tokens
-are skipped (and counted), never cut.
+``--per-dataset`` prompts spread evenly over each file (0: all). Prompts longer than ``--max-prompt-len``
+tokens are skipped (and counted), never cut. ``--prompts NAME=FILE`` (repeatable) adds a prompt file in
+any format ``train.py`` reads; its raw ``{"text"}`` records are continued as they stand (code completion),
+the others through the chat template. ``--spec-bench none --humaneval none`` leaves those two out:
+
+    python benchmarks/speculative_eval.py --target ~/.cache/retrace_jax/models/qwen2.5-coder-0.5b-instruct \
+        --drafter dflash=runs/qwen25coder05_dflash/drafter --spec-bench none --humaneval none \
+        --prompts humaneval=~/.cache/retrace_jax/data/humaneval_raw.jsonl \
+        --prompts heldout=~/.cache/retrace_jax/data/code_heldout.jsonl --per-dataset 0 --speed-prompts 8
 
 - **τ** (mean acceptance length per round, the bonus token included) comes from batched runs: every
   row of a batch decodes exactly as it would alone. Both conventions are reported: ``tau`` (mean of
@@ -51,7 +58,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import retrace_jax as rj  # noqa: E402
 from benchmarks.speed import rates, time_methods  # noqa: E402
 from retrace_jax.decoding.generation import DRAFT_RULES  # noqa: E402
-from retrace_jax.training.data import chat_encoder, load_tokenizer  # noqa: E402
+from retrace_jax.training.data import chat_encoder, load_tokenizer, read_prompts  # noqa: E402
 
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 # the Spec-Bench questions, shipped as package data (retrace_jax/assets/data/SOURCES.md)
@@ -59,17 +66,18 @@ DEFAULT_SPEC_BENCH = rj.assets.SPEC_BENCH
 DEFAULT_HUMANEVAL = os.path.join(os.path.expanduser("~"), ".cache", "retrace_jax", "data", "humaneval.jsonl")
 
 
-def read_datasets(spec_bench: str, humaneval: str | None) -> dict[str, list[str]]:
-    """Dataset name -> user messages, in file order (Spec-Bench only when ``humaneval`` is None)."""
+def read_datasets(spec_bench: str | None, humaneval: str | None) -> dict[str, list[str]]:
+    """Dataset name -> user messages, in file order (either file left out when None)."""
     sets: dict[str, list[str]] = collections.defaultdict(list)
-    for path in (spec_bench, humaneval) if humaneval is not None else (spec_bench,):
+    for path in (x for x in (spec_bench, humaneval) if x is not None):
         if not os.path.isfile(path):
             raise SystemExit(f"prompt file not found: {path}" + (" (python scripts/fetch_assets.py humaneval)"
                                                                  if path == humaneval else ""))
-    with _open_text(spec_bench) as f:
-        for line in f:
-            r = json.loads(line)
-            sets["mt_bench" if r["category"] in MT_BENCH else r["category"]].append(r["turns"][0])
+    if spec_bench is not None:
+        with _open_text(spec_bench) as f:
+            for line in f:
+                r = json.loads(line)
+                sets["mt_bench" if r["category"] in MT_BENCH else r["category"]].append(r["turns"][0])
     if humaneval is None:
         return dict(sets)
     with _open_text(humaneval) as f:
@@ -83,9 +91,24 @@ def _open_text(path: str):
     return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
 
 
+def read_prompt_files(items: list[str]) -> dict[str, list[list[dict]]]:
+    """``NAME=FILE`` items -> ``{name: prompts}`` (message lists, as ``train.py`` reads them)."""
+    out = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--prompts expects NAME=FILE, got {item!r}")
+        if name in out:
+            raise SystemExit(f"--prompts names {name!r} twice")
+        out[name] = read_prompts(os.path.expanduser(path))
+    return out
+
+
 def pick(ids: list[list[int]], n: int, max_len: int) -> tuple[list[list[int]], int]:
-    """``n`` prompts spread evenly over the list, skipping those longer than ``max_len``."""
+    """``n`` prompts spread evenly over the list (0: all), skipping those longer than ``max_len``."""
     fitting = [p for p in ids if len(p) <= max_len]
+    if n == 0:
+        return fitting, len(ids) - len(fitting)
     if len(fitting) < n:
         raise SystemExit(f"only {len(fitting)} prompts fit in {max_len} tokens, {n} asked")
     chosen = [fitting[int(i)] for i in np.linspace(0, len(fitting) - 1, n).round()]
@@ -131,8 +154,10 @@ def main(argv=None):
                         "the same directory may be given under several names to compare block sizes)")
     p.add_argument("--spec-bench", default=DEFAULT_SPEC_BENCH, help="Spec-Bench questions (JSONL, optionally .gz; "
                    "default: the copy in retrace_jax/assets/data)")
-    p.add_argument("--humaneval", default=DEFAULT_HUMANEVAL)
-    p.add_argument("--per-dataset", type=int, default=12, help="prompts per dataset for τ")
+    p.add_argument("--humaneval", default=DEFAULT_HUMANEVAL, help="HumanEval as chat requests ('none': left out)")
+    p.add_argument("--prompts", action="append", default=[], metavar="NAME=FILE",
+                   help="a prompt file as one more dataset (repeatable; raw {\"text\"} records stay raw)")
+    p.add_argument("--per-dataset", type=int, default=12, help="prompts per dataset for τ (0: all)")
     p.add_argument("--speed-prompts", type=int, default=1, help="prompts per dataset timed at batch 1")
     p.add_argument("--speed-methods", default="plain,B,C", help="methods timed at batch 1 (comma separated)")
     p.add_argument("--max-prompt-len", type=int, default=1024)
@@ -165,9 +190,13 @@ def main(argv=None):
     temperatures = [float(t) for t in args.temperatures.split(",")]
 
     datasets, skipped = {}, {}
-    for name, texts in read_datasets(args.spec_bench, args.humaneval).items():
-        ids = [encode([{"role": "user", "content": t}]) for t in texts]
+    chats = {name: [[{"role": "user", "content": t}] for t in texts] for name, texts in read_datasets(
+        None if args.spec_bench == "none" else args.spec_bench, None if args.humaneval == "none" else args.humaneval).items()}
+    for name, messages in {**chats, **read_prompt_files(args.prompts)}.items():
+        ids = [encode(m) for m in messages]
         datasets[name], skipped[name] = pick(ids, args.per_dataset, args.max_prompt_len)
+    if not datasets:
+        raise SystemExit("no datasets: give --prompts, or leave --spec-bench / --humaneval on")
     # one flat list, sorted by length so each batch pads to a tight prompt bucket
     rows = sorted(((len(ids), name, i) for name, ps in datasets.items() for i, ids in enumerate(ps)))
     batches = [rows[i : i + args.batch_size] for i in range(0, len(rows), args.batch_size)]
@@ -252,7 +281,8 @@ def print_tables(result: dict) -> None:
     for key, by_method in result["tau"].items():
         methods = list(by_method)
         sets = list(next(iter(by_method.values())))
-        print(f"\nτ at {key} (mean of per-prompt means / pooled over rounds), {result['per_dataset']} prompts per set")
+        per_set = result["per_dataset"] or "all"
+        print(f"\nτ at {key} (mean of per-prompt means / pooled over rounds), {per_set} prompts per set")
         print("| dataset | " + " | ".join(methods) + " |")
         print("|---|" + "---|" * len(methods))
         for s in sets:
