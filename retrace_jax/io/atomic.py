@@ -11,7 +11,9 @@ ones, and a reader whose version was removed meanwhile reads the newest one inst
 
 A plain directory at ``PATH`` (the layout of earlier releases, or one made by other tools) still loads
 as it is; the first save onto it replaces it with the link (the save's only moment without anything at
-``PATH``, which a reader waits out).
+``PATH``, which a reader waits out). A save replaces only a checkpoint, an empty directory or one that
+holds only a checkpoint's companion files (a tokenizer, a README): a directory of other files, or the
+current directory, is refused untouched (:func:`check_destination`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,15 @@ KEEP_VERSIONS = 2  # the newest and the one before it (for readers that resolved
 GRACE_SECONDS = 60.0  # and any version replaced less than this ago (for readers that take their time)
 READ_ATTEMPTS = 50  # how often a reader starts again before it gives up on a path that saves never leave alone
 STALE_SECONDS = 24 * 3600  # what a killed save left in PATH.versions is removed by a save a day later
+# A plain directory is a checkpoint (that a save may replace, dropping its config and weights) when it
+# holds a config.json and weights in a layout that Hugging Face tools write.
+CHECKPOINT_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                      "pytorch_model.bin.index.json")
+# Files that may wait in a directory for its first save (carried into the checkpoint; a config.json there
+# is replaced); a directory holding anything else that is not a checkpoint belongs to someone else.
+COMPANION_FILES = ("special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+                   "generation_config.json", "README.md", ".gitattributes")
+COMPANION_PREFIXES = ("tokenizer", "chat_template")
 
 T = TypeVar("T")
 
@@ -48,10 +59,10 @@ def replace_directory(path: str, write: Callable[[str], None], caller: str) -> N
     A failure (or a killed process) leaves the checkpoint at ``path`` as it was. Files of the current
     version that are neither ``config.json`` nor weights (a tokenizer, a README) are carried over; old
     weight files of any layout are not, so they cannot shadow the new ones. A plain directory at ``path``
-    is replaced by the link (it is moved aside, then removed)."""
-    path = os.path.abspath(path)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise FileExistsError(f"{caller}: {path} exists and is not a directory")
+    is replaced by the link (it is moved aside, then removed); what :func:`check_destination` refuses is
+    left untouched. Symbolic links among the carried files are carried as links, never as copies of what
+    they point to."""
+    path = check_destination(path, caller)
     current = os.path.realpath(path) if os.path.isdir(path) else None
     kept = _kept_files(current, path, caller) if current is not None else []
     versions = _versions_dir(path)
@@ -62,8 +73,7 @@ def replace_directory(path: str, write: Callable[[str], None], caller: str) -> N
     try:
         os.chmod(tmp, default_dir_mode())  # mkdtemp makes it private; a checkpoint gets the usual mode
         write(tmp)
-        for file in kept:
-            shutil.copy2(os.path.join(current, file), os.path.join(tmp, file))
+        _carry(current, kept, tmp)
         new = _publish(tmp, versions)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -110,7 +120,7 @@ def to_plain_directory(path: str) -> None:
     current = os.path.realpath(path)
     tmp = tempfile.mkdtemp(prefix=".plain-", dir=os.path.dirname(os.path.abspath(path)))
     try:
-        shutil.copytree(current, tmp, dirs_exist_ok=True)
+        _carry(current, sorted(os.listdir(current)), tmp)
         os.replace(tmp, path + ".plain")
         os.remove(path)
         os.replace(path + ".plain", path)
@@ -138,6 +148,69 @@ def default_dir_mode() -> int:
     umask = os.umask(0o022)
     os.umask(umask)
     return 0o777 & ~umask
+
+
+def check_destination(path, caller: str) -> str:
+    """The absolute path of a save's destination, or a ``CheckpointError`` naming it when a save must not
+    replace what is there: an empty path (it would mean the current directory), the current directory
+    itself (or one holding it), a file, or a directory that is not a checkpoint and holds files other
+    than a ``config.json`` and a checkpoint's companions (the save would drop or bury them). A checkpoint
+    that a save wrote (the link to one of its versions) and a plain checkpoint directory are replaced."""
+    if not os.fspath(path):
+        raise CheckpointError(f"{caller}: the checkpoint path is empty; name the directory to save to")
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise FileExistsError(f"{caller}: {path} exists and is not a directory")
+    if not os.path.isdir(path) or _is_own_link(path):
+        return path  # a new checkpoint, or the link a save made (its versions hold only what saves wrote)
+    here, there = os.path.realpath(os.getcwd()), os.path.realpath(path)
+    if not os.path.islink(path) and (here == there or here.startswith(there.rstrip(os.sep) + os.sep)):
+        raise CheckpointError(f"{caller}: {path} is the current directory (or holds it); a save replaces its "
+                              f"destination, so choose a new or empty directory for the checkpoint")
+    names = os.listdir(there)
+    if "config.json" in names and any(n in names for n in CHECKPOINT_WEIGHTS):
+        return path
+    # (subdirectories and other things that are not files are refused by _kept_files, for every save)
+    foreign = sorted(n for n in names if n not in COMPANION_FILES + ("config.json",)
+                     and not n.startswith(COMPANION_PREFIXES) and os.path.isfile(os.path.join(there, n)))
+    if foreign:
+        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        raise CheckpointError(f"{caller}: {path} is not a checkpoint (no config.json with weights) and holds "
+                              f"other files ({', '.join(foreign[:5])}{more}), which a save would replace; "
+                              f"choose a new or empty directory")
+    return path
+
+
+def _is_own_link(path: str) -> bool:
+    """Whether ``path`` is the link that a save made: to a published version in ``path``'s versions."""
+    if not os.path.islink(path):
+        return False
+    target = os.path.realpath(path)
+    return os.path.basename(target).isdigit() and \
+        os.path.dirname(target) == os.path.realpath(_versions_dir(path))
+
+
+def _carry(directory: str, names: list[str], dst: str) -> None:
+    """Copies the entries ``names`` of ``directory`` into ``dst``. A symbolic link stays a link, so a save
+    never copies what a link points to (a ``tokenizer.json -> /etc/passwd`` stays that link, not the
+    file's content): an absolute one as it is, a relative one to a carried file beside it as it is (it
+    then names that file's copy), any other relative one rewritten from ``dst`` so that it names the
+    same place (``dst`` and where it is renamed to share a parent directory)."""
+    for name in names:
+        src = os.path.join(directory, name)
+        if os.path.isdir(src) and not os.path.islink(src):  # (only a version that someone changed has one)
+            shutil.copytree(src, os.path.join(dst, name), symlinks=True)
+            continue
+        if not os.path.islink(src):
+            shutil.copy2(src, os.path.join(dst, name), follow_symlinks=False)
+            continue
+        target = os.readlink(src)
+        if not os.path.isabs(target):
+            # ``directory`` is a resolved path, so normalising the joined target names where the link led
+            resolved = os.path.normpath(os.path.join(directory, target))
+            if not (os.path.dirname(resolved) == directory and os.path.basename(resolved) in names):
+                target = os.path.relpath(resolved, dst)
+        os.symlink(target, os.path.join(dst, name))
 
 
 def _kept_files(directory: str, path: str, caller: str) -> list[str]:

@@ -20,6 +20,8 @@ from retrace_jax.io.safetensors import SINGLE_FILE, TensorReader, strip_prefix
 from retrace_jax.io.weights import (
     WeightSpec,
     all_drafter_specs,
+    check_layers,
+    check_names,
     drafter_specs,
     export_tensors,
     load_into,
@@ -30,7 +32,7 @@ from retrace_jax.models import draft_vocab
 from retrace_jax.models.config import ModelConfig, read_config
 from retrace_jax.models.drafter import DFlashDrafter, DrafterConfig, check_drafter_matches
 from retrace_jax.models.retrace import ReTraceConfig, ReTraceFusion
-from retrace_jax.models.target import TargetModel
+from retrace_jax.models.target import TargetModel, abstract_target
 from retrace_jax.parallel.sharding import check_divisible
 
 
@@ -67,9 +69,12 @@ def _load_target(path: str, dtype, mesh: Mesh | None) -> TargetModel:
     cfg = read_config(ModelConfig, path)
     check_divisible("target", cfg.num_heads, cfg.num_kv_heads, mesh)
     reader = TensorReader(path)
-    module = abstract_module(lambda: TargetModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    # The names first: a config that does not fit its checkpoint is refused before anything is built
+    check_layers(reader.names(), "model.layers.", cfg.num_layers, path)
+    specs = target_specs(cfg)
     ignore = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-    return load_into(module, target_specs(cfg), reader, dtype, ignore=ignore, mesh=mesh)
+    check_names(specs, reader.names(), path, ignore)
+    return load_into(abstract_target(cfg, dtype), specs, reader, dtype, ignore=ignore, mesh=mesh)
 
 
 def load_drafter(path: str, target: TargetModel, dtype=None, *, retrace: bool | ReTraceConfig | None = None,
@@ -99,7 +104,9 @@ def _load_drafter(path: str, target: TargetModel, dtype, retrace: bool | ReTrace
     check_drafter_matches(cfg, target.cfg)
     check_divisible("drafter", cfg.num_heads, cfg.num_kv_heads, mesh)
     reader = TensorReader(path)
-    module = abstract_module(lambda: DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    aliases = strip_prefix(reader.names(), "model.")
+    # The names first: a config that does not fit its checkpoint is refused before anything is built
+    check_layers(aliases, "layers.", cfg.num_layers, path)
     specs = drafter_specs(cfg)
     ignore: list[str] = []
     fresh = None
@@ -110,11 +117,12 @@ def _load_drafter(path: str, target: TargetModel, dtype, retrace: bool | ReTrace
         fresh = {("retrace",) + p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(init))}
     elif cfg.retrace is not None:
         specs = all_drafter_specs(cfg)
+    check_names(specs, aliases, path, ignore)
     vocab = read_draft_vocab(path, cfg)
     if vocab is not None:
         fresh = {**(fresh or {}), ("draft_vocab",): jnp.asarray(vocab)}
-    return load_into(module, specs, reader, dtype, aliases=strip_prefix(reader.names(), "model."),
-                     ignore=ignore, fresh=fresh, mesh=mesh)
+    module = abstract_module(lambda: DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    return load_into(module, specs, reader, dtype, aliases=aliases, ignore=ignore, fresh=fresh, mesh=mesh)
 
 
 def read_draft_vocab(path: str, cfg: DrafterConfig) -> np.ndarray | None:

@@ -17,6 +17,10 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
+# safetensors' names of floating-point types: F64, F32, F16, BF16, the F8 variants.
+FLOATING_PREFIXES = ("F", "BF")
+
+
 # Tensors that some checkpoints carry but no model here uses.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -25,7 +29,10 @@ class TensorReader:
     """Reads tensors by name from ``model.safetensors`` or from shards listed in the index file.
 
     Every file is opened once here, so a truncated or corrupt one is reported by name before any weight
-    is read; a directory holding both layouts is refused (one of them would silently win)."""
+    is read; a directory holding both layouts is refused (one of them would silently win). The tensors'
+    types and shapes are kept from that reading, and each file stays open for the reads that follow:
+    opening a file parses its whole header, so opening it again for every tensor would make loading
+    quadratic in the number of tensors."""
 
     def __init__(self, directory: str):
         index_path = os.path.join(directory, INDEX_FILE)
@@ -33,22 +40,40 @@ class TensorReader:
         if os.path.isfile(index_path) and os.path.isfile(single_path):
             raise CheckpointError(f"{directory} holds both {SINGLE_FILE} and {INDEX_FILE}; one of them is stale "
                                   f"(remove it)")
+        self._files: dict[str, object] = {}  # file name -> its open safe_open handle
+        self._headers: dict[str, tuple[str, tuple[int, ...]]] = {}  # tensor -> (type, shape) in its file
         if os.path.isfile(index_path):
             weight_map = _read_weight_map(index_path)
             for file in sorted(set(weight_map.values())):
                 path = os.path.join(directory, file)
                 if not os.path.isfile(path):
                     raise FileNotFoundError(f"{INDEX_FILE} lists {file}, which is missing from {directory}")
-                stored = set(_tensor_names(path))
+                stored = self._open(path, file)
                 absent = sorted(n for n, f in weight_map.items() if f == file and n not in stored)
                 if absent:
                     raise CheckpointError(f"{path} lacks tensors that {INDEX_FILE} places there: {short_names(absent)}")
+                self._headers.update((n, stored[n]) for n, f in weight_map.items() if f == file)
         elif os.path.isfile(single_path):
-            weight_map = {name: SINGLE_FILE for name in _tensor_names(single_path)}
+            self._headers = self._open(single_path, SINGLE_FILE)
+            weight_map = {name: SINGLE_FILE for name in self._headers}
         else:
             raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {directory}")
         self.directory = directory
         self.weight_map = weight_map
+
+    def _open(self, path: str, file: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Opens ``path`` (kept as ``file``); the type and shape of each tensor in its header. A
+        ``CheckpointError`` names a truncated or corrupt file."""
+        try:
+            handle = safe_open(path, framework="numpy")
+            header = {}
+            for name in handle.keys():
+                view = handle.get_slice(name)
+                header[name] = (view.get_dtype(), tuple(view.get_shape()))
+        except SafetensorError as err:
+            raise CheckpointError(f"{path} is not a readable safetensors file (truncated or corrupt?): {err}") from None
+        self._files[file] = handle
+        return header
 
     def names(self) -> set[str]:
         return set(self.weight_map)
@@ -59,9 +84,9 @@ class TensorReader:
     def get(self, name: str, index: tuple | None = None) -> np.ndarray:
         """The tensor, or only ``tensor[index]`` (a tuple of slices) read from disk; non-finite values
         (NaN, inf) are an error naming the tensor."""
+        f = self._files[self.weight_map[name]]
         try:
-            with safe_open(self.file(name), framework="numpy") as f:
-                array = f.get_tensor(name) if index is None else f.get_slice(name)[index]
+            array = f.get_tensor(name) if index is None else f.get_slice(name)[index]
         except SafetensorError as err:
             raise CheckpointError(f"cannot read tensor {name} from {self.file(name)}: {err}") from None
         bad = int(array.size - np.count_nonzero(np.isfinite(array.astype(np.float32, copy=False))))
@@ -72,18 +97,19 @@ class TensorReader:
         return array
 
     def shape(self, name: str) -> tuple[int, ...]:
-        with safe_open(self.file(name), framework="numpy") as f:
-            return tuple(f.get_slice(name).get_shape())
+        return self._headers[name][1]
 
+    def dtype(self, name: str) -> str:
+        """The stored type's safetensors name: ``F32``, ``BF16``, ``I8``, ``BOOL``..."""
+        return self._headers[name][0]
 
-def _tensor_names(path: str) -> list[str]:
-    """The tensor names in a safetensors file's header; a ``CheckpointError`` naming a truncated or
-    corrupt file."""
-    try:
-        with safe_open(path, framework="numpy") as f:
-            return list(f.keys())
-    except SafetensorError as err:
-        raise CheckpointError(f"{path} is not a readable safetensors file (truncated or corrupt?): {err}") from None
+    def check_floating(self, name: str) -> None:
+        """A ``CheckpointError`` naming the file and the tensor unless the tensor is stored as floating
+        point: an integer or bool tensor where a weight belongs would otherwise be cast (int8 3 -> 3.0)."""
+        kind = self.dtype(name)
+        if not kind.startswith(FLOATING_PREFIXES):
+            raise CheckpointError(f"tensor {name} in {self.file(name)} is stored as {kind}; a weight must be "
+                                  f"floating point (F32, BF16, F16...)")
 
 
 def _read_weight_map(index_path: str) -> dict[str, str]:
@@ -93,6 +119,8 @@ def _read_weight_map(index_path: str) -> dict[str, str]:
             index = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{index_path} is not valid JSON: {err}") from None
+    except RecursionError:  # the decoder recurses once per nesting level
+        raise CheckpointError(f"{index_path} is nested too deeply to be an index file") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index_path} has no 'weight_map' object (tensor name -> file)")

@@ -121,6 +121,52 @@ def all_drafter_specs(cfg: DrafterConfig) -> list[WeightSpec]:
     return drafter_specs(cfg) + (retrace_specs(cfg.retrace) if cfg.retrace is not None else [])
 
 
+def check_layers(names: Iterable[str], prefix: str, num_layers: int, directory: str) -> None:
+    """A ``CheckpointError`` unless the layer indices in the tensor names ``{prefix}N.*`` are exactly
+    ``0..num_layers-1``, naming the missing and the unexpected layers. It runs before anything is built
+    from the config, and its cost grows with the checkpoint's names, not with the number of layers that
+    ``config.json`` claims (``num_hidden_layers: 100000`` is refused at once)."""
+    present = set()
+    for name in names:
+        if name.startswith(prefix):
+            index = name[len(prefix):].split(".", 1)[0]
+            if index.isascii() and index.isdigit():
+                present.add(int(index))
+    inside = sorted(i for i in present if i < num_layers)
+    missing, last = [], -1
+    for i in inside + [num_layers]:
+        if i > last + 1:
+            missing.append((last + 1, i - 1))
+        last = i
+    extra = sorted(i for i in present if i >= num_layers)
+    if missing or extra:
+        problems = [f"missing layers {_spans(missing)}"] if missing else []
+        if extra:
+            problems.append(f"unexpected layers {_spans([(i, i) for i in extra])}")
+        raise CheckpointError(f"checkpoint in {directory} does not match num_hidden_layers {num_layers} of its "
+                              f"config.json: {'; '.join(problems)} (tensors {prefix}N.*)")
+
+
+def _spans(spans: list[tuple[int, int]], limit: int = 6) -> str:
+    text = ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in spans[:limit])
+    return text + (f" and {len(spans) - limit} more" if len(spans) > limit else "")
+
+
+def check_names(specs: list[WeightSpec], aliases: Iterable[str], directory: str, ignore: Iterable[str] = ()) -> None:
+    """A ``CheckpointError`` listing the tensors that ``specs`` want and the checkpoint lacks, and those it
+    holds that nothing wants (``ignore`` and :data:`IGNORED_SUFFIXES` aside)."""
+    wanted = {s.hf_name for s in specs}
+    ignore = set(ignore)
+    names = set(aliases)
+    missing = sorted(wanted - names)
+    extra = sorted(n for n in names - wanted if n not in ignore and not n.endswith(IGNORED_SUFFIXES))
+    if missing or extra:
+        raise CheckpointError(
+            f"checkpoint in {directory} does not match the model: "
+            f"missing tensors {short_names(missing)}; unexpected tensors {short_names(extra)}"
+        )
+
+
 def load_into(module: nnx.Module, specs: list[WeightSpec], reader: TensorReader, dtype, *,
               aliases: dict[str, str] | None = None, ignore: Iterable[str] = (),
               fresh: dict[tuple, jax.Array] | None = None, mesh: Mesh | None = None) -> nnx.Module:
@@ -129,17 +175,7 @@ def load_into(module: nnx.Module, specs: list[WeightSpec], reader: TensorReader,
     With a ``mesh`` each device reads only its own shard of each tensor from the safetensors files.
     ``fresh`` supplies parameters that the checkpoint does not hold (by state path)."""
     aliases = aliases or {n: n for n in reader.names()}
-    wanted = {s.hf_name for s in specs}
-    ignore = set(ignore)
-    missing = sorted(wanted - set(aliases))
-    extra = sorted(
-        n for n in set(aliases) - wanted if n not in ignore and not n.endswith(IGNORED_SUFFIXES)
-    )
-    if missing or extra:
-        raise CheckpointError(
-            f"checkpoint in {reader.directory} does not match the model: "
-            f"missing tensors {short_names(missing)}; unexpected tensors {short_names(extra)}"
-        )
+    check_names(specs, aliases, reader.directory, ignore)
     graphdef, state = nnx.split(module)
     flat = dict(nnx.to_flat_state(state))
     groups: dict[tuple, list[WeightSpec]] = {}
@@ -155,6 +191,7 @@ def load_into(module: nnx.Module, specs: list[WeightSpec], reader: TensorReader,
         for spec in group:
             one = expected[1:] if stacked else expected
             hf_expected = one[::-1] if spec.transpose else one
+            reader.check_floating(aliases[spec.hf_name])
             if reader.shape(aliases[spec.hf_name]) != hf_expected:
                 raise CheckpointError(f"tensor {spec.hf_name} has shape {reader.shape(aliases[spec.hf_name])}, "
                                       f"the config implies {hf_expected}")

@@ -209,6 +209,8 @@ def read_config_json(directory: str) -> dict[str, Any]:
         raise ConfigError(f"{path} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}") from None
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path} is not UTF-8 text: {err}") from None
+    except RecursionError:  # the decoder recurses once per nesting level; no config nests that deep
+        raise ConfigError(f"{path} is nested too deeply to be a model config") from None
     if not isinstance(hf, dict):
         raise ConfigError(f"{path} must hold a JSON object, not {type(hf).__name__}")
     return hf

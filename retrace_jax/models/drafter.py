@@ -167,7 +167,9 @@ class DrafterConfig(DecoderShape):
             keys.num_target_layers, shape["num_layers"]
         )
         types = None if keys.layer_types is None else tuple(keys.layer_types)
-        if types == ("full_attention",) * shape["num_layers"]:  # as a config without the key (to_hf writes both)
+        # as a config without the key (to_hf writes both); tested without building a tuple of num_layers
+        # entries, which a hostile num_hidden_layers would make huge
+        if types is not None and len(types) == shape["num_layers"] and set(types) == {"full_attention"}:
             types = None
         sliding = types is not None and "sliding_attention" in types
         window = None

@@ -6,6 +6,7 @@ The decoder blocks are stacked (every parameter has a leading layer axis ``L``) 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Sequence
 
 import jax
@@ -190,6 +191,23 @@ class TargetModel(nnx.Module):
         hidden, cache, features = self.run_layers(self.embed(tokens_bt), positions, attend_at, cache, feature_layers,
                                                   scan_layers)
         return ForwardOutput(hidden, cache.replace(lengths=cache.lengths + t), features)
+
+
+def abstract_target(cfg: ModelConfig, dtype=jnp.float32) -> TargetModel:
+    """The structure of ``TargetModel(cfg, dtype=dtype)``: its parameters' shapes and dtypes, nothing
+    allocated or initialised (a checkpoint's loader fills them).
+
+    One decoder block is built, whatever the depth, and its parameters get the leading layer axis ``L``.
+    Building all ``L`` blocks under ``nnx.eval_shape`` costs time quadratic in ``L``: every random draw
+    stores the RNG count, whose sharding flax reads, and on a traced value JAX answers that with an error
+    message that walks the whole trace built so far."""
+    one = nnx.eval_shape(lambda: TargetModel(dataclasses.replace(cfg, num_layers=1), dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(one)
+    state["layers"] = jax.tree.map(lambda x: jax.ShapeDtypeStruct((cfg.num_layers,) + x.shape[1:], x.dtype),
+                                   state["layers"])
+    model = nnx.merge(graphdef, state)
+    model.cfg = cfg
+    return model
 
 
 @jax.jit

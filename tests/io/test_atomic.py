@@ -175,3 +175,78 @@ def test_to_plain_directory_keeps_the_current_version_as_files(target, tmp_path)
     atomic.to_plain_directory(str(path))  # already plain: unchanged
     assert _same(_params(rj.load_drafter(str(path), target)), _params(second))
     assert sorted(os.listdir(tmp_path)) == ["shipped"]  # no temporary left behind
+
+
+def _listing(directory):
+    return sorted(os.listdir(directory)), os.path.islink(directory)
+
+
+def test_a_save_refuses_the_current_directory_and_a_directory_of_other_files(target, tmp_path, monkeypatch):
+    """An empty path, ".", the current directory by name, or a directory of someone else's files: the save
+    refuses, naming the path, and leaves everything as it was (no link, no versions, the files in place)."""
+    drafter = _drafter(target, 0)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "my_model.pt").write_bytes(b"weights")
+    (work / "notes.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    before = _listing(work)
+    with pytest.raises(rj.CheckpointError, match="empty"):
+        rj.save_drafter(drafter, "")
+    for path in (".", str(work)):
+        with pytest.raises(rj.CheckpointError, match=f"{work}.*current directory"):
+            rj.save_drafter(drafter, path)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(rj.CheckpointError, match=f"{work} is not a checkpoint.*my_model.pt, notes.txt"):
+        rj.save_drafter(drafter, str(work))
+    with pytest.raises(rj.CheckpointError, match="not a checkpoint"):
+        _save(str(work), "x")
+    assert _listing(work) == before and (work / "my_model.pt").read_bytes() == b"weights"
+    assert sorted(os.listdir(tmp_path)) == ["work"]  # no versions directory, no link left behind
+    # What a save may replace: a new path, an empty directory, one holding only a tokenizer, a checkpoint
+    # that a save wrote, and a plain checkpoint directory (config.json and weights)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    for name in ("new", "empty", "tok", "new"):
+        rj.save_drafter(drafter, str(tmp_path / name))
+    assert sorted(os.listdir(tmp_path / "tok")) == ["config.json", "model.safetensors", "tokenizer.json"]
+    atomic.to_plain_directory(str(tmp_path / "new"))
+    (tmp_path / "new" / "old_weights.bin").write_bytes(b"old")
+    rj.save_drafter(drafter, str(tmp_path / "new"))
+    assert os.path.islink(tmp_path / "new") and sorted(os.listdir(tmp_path / "new")) == ["config.json",
+                                                                                          "model.safetensors"]
+
+
+def test_a_save_carries_symbolic_links_as_links(target, tmp_path):
+    """A link among the files that a save carries over stays a link to the same file: its target's content
+    is never copied into the checkpoint (``tokenizer.json -> /etc/passwd`` must not become a copy)."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not for the checkpoint")
+    drafter = _drafter(target, 0)
+    path = tmp_path / "plain"
+    path.mkdir()
+    (path / "tokenizer.json").symlink_to(secret)  # absolute
+    (path / "tokenizer_config.json").symlink_to("../secret.txt")  # relative, out of the directory
+    (path / "vocab.json").write_text("{}")
+    (path / "merges.txt").symlink_to("vocab.json")  # relative, to a carried file beside it
+    for _ in range(2):  # the plain directory's first save, then a save over the version it made
+        rj.save_drafter(drafter, str(path))
+        version = os.path.realpath(path)
+        for name in ("tokenizer.json", "tokenizer_config.json", "merges.txt"):
+            assert os.path.islink(os.path.join(version, name)), name
+        assert os.path.realpath(os.path.join(version, "tokenizer.json")) == str(secret)
+        assert os.path.realpath(os.path.join(version, "tokenizer_config.json")) == str(secret)
+        assert os.readlink(os.path.join(version, "merges.txt")) == "vocab.json"
+    atomic.to_plain_directory(str(path))  # the plain copy keeps the links too
+    assert os.path.islink(path / "tokenizer.json") and os.path.islink(path / "tokenizer_config.json")
+    assert (path / "tokenizer_config.json").read_text() == "not for the checkpoint"
+    assert os.readlink(path / "merges.txt") == "vocab.json"
+    # A link that leads nowhere (a loop) is refused, as a FIFO is: the save names it and changes nothing
+    (path / "README.md").symlink_to("README.md")
+    with pytest.raises(ValueError, match="README.md"):
+        rj.save_drafter(drafter, str(path))
+    os.remove(path / "README.md")
+    os.mkfifo(path / "tokenizer.fifo")
+    with pytest.raises(ValueError, match="tokenizer.fifo"):
+        rj.save_drafter(drafter, str(path))

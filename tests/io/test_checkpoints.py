@@ -152,3 +152,121 @@ def nnx_flat(module):
     from flax import nnx
 
     return [(p, np.asarray(v.get_value())) for p, v in nnx.to_flat_state(nnx.state(module, nnx.Param))]
+
+
+# ------------------------------------------------------------------------ what a fault probe found
+
+
+def _tiny(num_layers=2):
+    """A small random target (the tiny Qwen3 at ``num_layers`` layers) and its drafter."""
+    import dataclasses
+
+    from retrace_jax.models.tiny import TINY_QWEN3
+
+    target = rj.tiny.tiny_target(cfg=dataclasses.replace(TINY_QWEN3, num_layers=num_layers))
+    return target, rj.init_drafter(target.cfg, mask_token_id=5, num_layers=1, block_size=4)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int32, np.bool_])
+def test_a_weight_stored_as_integers_or_bools_is_refused(dtype, tmp_path):
+    """A norm weight of the right shape but an integer or bool type is refused by name (file and tensor),
+    not cast to float (int8 3 would load as 3.0)."""
+    target, drafter = _tiny()
+    rj.save_target(target, str(tmp_path / "t"))
+    rj.save_drafter(drafter, str(tmp_path / "d"))
+    edit_tensors(str(tmp_path / "t"), lambda t: t.update({"model.norm.weight": np.full((128,), 3, dtype)}))
+    edit_tensors(str(tmp_path / "d"), lambda t: t.update({"norm.weight": np.full((128,), 3, dtype)}))
+    kind = {np.int8: "I8", np.int32: "I32", np.bool_: "BOOL"}[dtype]
+    with pytest.raises(rj.CheckpointError, match=rf"model.norm.weight in .*t.*model.safetensors is stored as {kind}"):
+        rj.load_target(str(tmp_path / "t"))
+    with pytest.raises(rj.CheckpointError, match=rf"norm.weight in .*d.*model.safetensors is stored as {kind}"):
+        rj.load_drafter(str(tmp_path / "d"), target)
+
+
+def _count_blocks(monkeypatch, refuse: bool = False) -> list:
+    """Counts the decoder blocks built from here on (each is one walk over a block's graph); with
+    ``refuse``, building one fails the test at once."""
+    from retrace_jax.models import layers
+
+    built, init = [], layers.DecoderBlock.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(1)
+        if refuse:
+            raise AssertionError("a decoder block was built")
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(layers.DecoderBlock, "__init__", counted)
+    return built
+
+
+def test_loading_a_target_builds_one_block_whatever_its_depth(tmp_path, monkeypatch):
+    """The loader's abstract target costs the same whatever the number of layers (building every block
+    under ``nnx.eval_shape`` grew quadratically: 12.7 s at 64 layers), and holds the saved weights."""
+    saved = {}
+    for layers in (2, 6):
+        target, _ = _tiny(layers)
+        rj.save_target(target, str(tmp_path / str(layers)))
+        saved[layers] = target
+    built = _count_blocks(monkeypatch)
+    for layers, target in saved.items():
+        built.clear()
+        loaded = rj.load_target(str(tmp_path / str(layers)))
+        assert len(built) == 1, (layers, len(built))
+        assert loaded.cfg == target.cfg
+        for (p, a), (q, b) in zip(nnx_flat(target), nnx_flat(loaded)):
+            assert p == q
+            np.testing.assert_array_equal(a, b, err_msg=str(p))
+
+
+@pytest.mark.parametrize("layers", [100000, 10**12])
+def test_a_config_claiming_layers_its_checkpoint_lacks_is_refused_before_building(layers, tmp_path, monkeypatch):
+    """A hostile ``num_hidden_layers`` is refused by the tensor names alone, at once, before any block is
+    built (it used to build the abstract model first: a hang); the error names the missing layers."""
+    import time
+
+    target, drafter = _tiny(2)
+    rj.save_target(target, str(tmp_path / "t"))
+    rj.save_drafter(drafter, str(tmp_path / "d"))
+    edit_config(str(tmp_path / "t"), lambda c: c.update(num_hidden_layers=layers))
+    edit_config(str(tmp_path / "d"), lambda c: [c.update(num_hidden_layers=layers), c.pop("layer_types")])
+    built = _count_blocks(monkeypatch, refuse=True)
+    start = time.perf_counter()
+    with pytest.raises(rj.CheckpointError, match=rf"num_hidden_layers {layers} .*missing layers 2..{layers - 1}"):
+        rj.load_target(str(tmp_path / "t"))
+    with pytest.raises(rj.CheckpointError, match=rf"num_hidden_layers {layers} .*missing layers 1..{layers - 1}"):
+        rj.load_drafter(str(tmp_path / "d"), target)
+    assert time.perf_counter() - start < 1.0 and not built
+
+
+def test_layers_missing_in_the_middle_or_beyond_the_config_are_named(tmp_path):
+    target, _ = _tiny(6)
+    rj.save_target(target, str(tmp_path / "t"))
+    edit_tensors(str(tmp_path / "t"), lambda t: [t.pop(n) for n in list(t) if n.startswith(("model.layers.2.",
+                                                                                           "model.layers.3."))])
+    with pytest.raises(rj.CheckpointError, match=r"num_hidden_layers 6 .*missing layers 2..3"):
+        rj.load_target(str(tmp_path / "t"))
+    edit_config(str(tmp_path / "t"), lambda c: c.update(num_hidden_layers=2))
+    with pytest.raises(rj.CheckpointError, match=r"num_hidden_layers 2 .*unexpected layers 4, 5"):
+        rj.load_target(str(tmp_path / "t"))
+
+
+def test_a_deeply_nested_config_or_index_is_a_clear_error(qwen3_copy):
+    """JSON nested 100000 deep makes the decoder run out of recursion: a ``ConfigError`` (config.json) or
+    ``CheckpointError`` (the index file) naming the file, not a ``RecursionError``."""
+    deep = '{"a": ' * 100000 + "1" + "}" * 100000
+    config = os.path.join(qwen3_copy, "config.json")
+    with open(config) as f:
+        text = f.read()
+    with open(config, "w") as f:
+        f.write(deep)
+    with pytest.raises(rj.ConfigError, match=f"{config} is nested too deeply"):
+        rj.load_target(qwen3_copy)
+    with open(config, "w") as f:
+        f.write(text)
+    os.remove(os.path.join(qwen3_copy, "model.safetensors"))
+    index = os.path.join(qwen3_copy, "model.safetensors.index.json")
+    with open(index, "w") as f:
+        f.write(deep)
+    with pytest.raises(rj.CheckpointError, match=f"{index} is nested too deeply"):
+        rj.load_target(qwen3_copy)

@@ -113,3 +113,28 @@ def test_bfloat16_load_runs_close_to_float32(hf_model_dir):
     probs = [np.exp(x - x.max(-1, keepdims=True)) / np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)
              for x in (l16, l32)]
     assert np.abs(probs[0] - probs[1]).sum(-1).max() < 0.05  # total variation of the next-token distributions
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_abstract_target_has_the_structure_of_the_built_model(family, dtype):
+    """``abstract_target`` (one block built, its parameters given the layer axis) is the structure that
+    ``nnx.eval_shape`` of the whole model gives: the same graph, parameter paths, kinds, shapes and dtypes."""
+    import dataclasses
+
+    from flax import nnx
+
+    from retrace_jax.models.target import TargetModel, abstract_target
+    from tests.helpers import make_hf_model
+
+    cfg = dataclasses.replace(rj.ModelConfig.from_hf(make_hf_model(family).config.to_dict()), num_layers=3)
+    built = nnx.eval_shape(lambda: TargetModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    abstract = abstract_target(cfg, dtype)
+    (graph_a, state_a), (graph_b, state_b) = nnx.split(abstract), nnx.split(built)
+    assert graph_a == graph_b and abstract.cfg == cfg
+
+    def leaves(state):
+        return [(p, type(v), v.get_value().shape, v.get_value().dtype) for p, v in nnx.to_flat_state(state)]
+
+    assert leaves(state_a) == leaves(state_b)
+    up_ldi = abstract.layers.mlp.up_proj.kernel.get_value()
+    assert up_ldi.shape == (3, cfg.hidden_size, cfg.intermediate_size) and up_ldi.dtype == dtype
