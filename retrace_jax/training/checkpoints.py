@@ -9,6 +9,13 @@ each writes and reads its own shards), and the directory must be one that all pr
 A checkpoint that would not fit in the free disk space is refused before Orbax writes any of it, and a
 write that fails anyway (the disk filled meanwhile) is reported as an ``OSError`` naming the checkpoint:
 Orbax itself reports it from background threads, later, as a ``ValueError`` with the errno in its text.
+
+Once a save has finished (Orbax has committed the step directory), process 0 records the sha256 of each of
+its files in ``STEP/SHA256SUMS`` (``sha256sum``'s format: ``cd STEP && sha256sum -c SHA256SUMS`` checks it
+too). A restore first compares the files with it: a file changed since (a flipped bit that Orbax would read
+without complaint) makes the checkpoint unreadable, as a truncated one is. A checkpoint without the file (an
+earlier release's, or one whose run was killed between the commit and the recording) is restored unchecked,
+with a warning.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import gc
+import hashlib
 import json
 import logging
 import os
@@ -29,6 +37,8 @@ from retrace_jax.errors import CheckpointError
 from retrace_jax.io.atomic import write_error
 from retrace_jax.parallel.distributed import agree_any, barrier
 from retrace_jax.training.data import settings_differences  # noqa: F401 -- still importable from here
+
+CHECKSUMS = "SHA256SUMS"  # in each step directory: the sha256 of every other file of the checkpoint
 
 
 class Checkpoints:
@@ -44,7 +54,15 @@ class Checkpoints:
                                                  create=not read_only, cleanup_tmp_directories=not read_only,
                                                  read_only=read_only),
         )
+        # Orbax removes the directories of unfinished saves in a background thread. One still running when
+        # the process ends (right after a refused resume, say) fails on the executors that the interpreter
+        # has shut down and prints its traceback after the run's error line, so it finishes here.
+        await_cleanup = getattr(self.manager, "_maybe_await_cleanup_tmp_directory", None)
+        if await_cleanup is not None:
+            await_cleanup()
         self._writing: int | None = None  # the step of the last save started (asynchronous saves end later)
+        self._unrecorded: int | None = None  # a save whose checksums are recorded once it has finished
+        self._checked: dict[int, bool | str] = {}  # verify's answers: True, False (no checksums) or the error
         self._quiet = _QuietWriteFailures(sys.unraisablehook)
         logging.getLogger("absl").addFilter(self._quiet)
         sys.unraisablehook = self._quiet.unraisable
@@ -70,6 +88,7 @@ class Checkpoints:
             os.rename(path, moved)
         barrier("retrace_jax.checkpoints.set_aside.done")
         self.manager.reload()
+        self._checked.pop(step, None)
         return moved
 
     def save(self, step: int, drafter_state, opt_state, meta: dict) -> None:
@@ -87,20 +106,103 @@ class Checkpoints:
             err.errno = errno.ENOSPC
             raise err
         self._writing = step
+        self._checked.pop(step, None)
         try:
             self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
                                                             meta=ocp.args.JsonSave(dict(meta, step=step))), force=True)
         except Exception as err:
             _raise_io_error(err, f"checkpoint {step} in {self.directory} could not be written")
             raise
+        self._unrecorded = step
+        self.poll()  # a synchronous save has finished: its checksums are recorded now
+
+    def poll(self) -> None:
+        """Records the checksums of the last save if it has finished, without waiting for it. The training
+        loop calls this after every step, so a run killed later leaves its newest checkpoint checkable."""
+        in_progress = getattr(self.manager, "is_saving_in_progress", None)
+        if self._unrecorded is not None and in_progress is not None and not in_progress():
+            self.wait()
 
     def wait(self) -> None:
-        """Waits for the last save to finish; its failure to write is an ``OSError`` naming it."""
+        """Waits for the last save to finish and records its checksums; its failure to write is an
+        ``OSError`` naming it."""
         try:
             self.manager.wait_until_finished()
         except Exception as err:
+            self._unrecorded = None  # nothing was committed
             _raise_io_error(err, f"checkpoint {self._writing} in {self.directory} could not be written")
             raise
+        if self._unrecorded is not None:
+            step, self._unrecorded = self._unrecorded, None
+            if jax.process_index() == 0:  # Orbax committed the files of every process: process 0 sees them all
+                self._record_checksums(step)
+
+    def _record_checksums(self, step: int) -> None:
+        path = os.path.join(self.directory, str(step))
+        if not os.path.isdir(path):  # already removed (max_to_keep), or never committed
+            return
+        lines = "".join(f"{digest}  {name}\n" for name, digest in _file_digests(path).items())
+        target = os.path.join(path, CHECKSUMS)
+        try:
+            with open(target + ".tmp", "w") as f:
+                f.write(lines)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(target + ".tmp", target)
+        except OSError as err:
+            raise write_error(err, f"the checksums of checkpoint {step} could not be written to {target}") from err
+
+    def verify(self, step: int) -> bool:
+        """Compares the files of checkpoint ``step`` with the checksums recorded when it was saved: True
+        when they match, False when it records none (an earlier release's checkpoint); a file that changed
+        or is missing is a ``CheckpointError`` naming the checkpoint. Process 0 reads the
+        files; every process calls this and gets the same answer (remembered until the step is saved again
+        or set aside)."""
+        if step not in self._checked:
+            problem, recorded = None, True
+            if jax.process_index() == 0:
+                try:
+                    recorded = self._compare_checksums(step)
+                except CheckpointError as err:
+                    problem = str(err)
+            if agree_any(problem is not None):
+                self._checked[step] = problem or (f"checkpoint {step} in {self.directory} cannot be read (its files "
+                                                  f"differ from their checksums on process 0)")
+            else:
+                self._checked[step] = recorded
+        answer = self._checked[step]
+        if isinstance(answer, str):
+            raise CheckpointError(answer)
+        return answer
+
+    def _compare_checksums(self, step: int) -> bool:
+        path = os.path.join(self.directory, str(step))
+        try:
+            with open(os.path.join(path, CHECKSUMS)) as f:
+                text = f.read()
+        except FileNotFoundError:
+            return False
+        except (OSError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"checkpoint {step} in {self.directory} cannot be read (its {CHECKSUMS} cannot be "
+                                  f"read: {err})") from None
+        recorded = {}
+        for line in text.splitlines():
+            digest, sep, name = line.partition("  ")
+            if not sep or len(digest) != 64 or not name:
+                raise CheckpointError(f"checkpoint {step} in {self.directory} cannot be read (its {CHECKSUMS} is "
+                                      f"damaged)")
+            recorded[name] = digest
+        try:
+            found = _file_digests(path, only=recorded)
+        except OSError as err:
+            raise CheckpointError(f"checkpoint {step} in {self.directory} cannot be read ({err})") from None
+        bad = [name for name, digest in recorded.items() if found.get(name) != digest]
+        if bad:
+            named = ", ".join(f"{name}{'' if name in found else ' (missing)'}" for name in bad[:3])
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            raise CheckpointError(f"checkpoint {step} in {self.directory} cannot be read (its files differ from the "
+                                  f"checksums recorded when it was saved: {named}{more})")
+        return True
 
     def read_meta(self, step: int) -> dict:
         """The settings saved with checkpoint ``step``, read without Orbax (nothing is restored)."""
@@ -111,10 +213,15 @@ class Checkpoints:
         except (OSError, json.JSONDecodeError):
             return {}  # a checkpoint without readable settings: the restore itself checks the tree
 
-    def restore(self, step: int, drafter_state, opt_state):
+    def restore(self, step: int, drafter_state, opt_state, warn=None):
         """Restores onto the structure, dtypes and shardings of the given (freshly built) states. A
-        checkpoint that cannot be read (a truncated or lost file) is a ``CheckpointError`` naming it and
-        the cause (Orbax raises bare ``Exception``s, with a TensorStore spec in the message)."""
+        checkpoint that cannot be read (a truncated, lost or changed file: :meth:`verify`) is a
+        ``CheckpointError`` naming it and the cause (Orbax raises bare ``Exception``s, with a TensorStore
+        spec in the message). ``warn(message)`` is told (on process 0) when the checkpoint records no
+        checksums and is restored unchecked."""
+        if not self.verify(step) and warn is not None and jax.process_index() == 0:
+            warn(f"checkpoint {step} in {self.directory} records no checksums (an earlier release wrote it, or its "
+                 f"run ended before recording them): it is restored without checking its files")
         tree = {"params": drafter_state, "opt_state": opt_state}
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
         try:
@@ -169,6 +276,27 @@ class _QuietWriteFailures(logging.Filter):
         abandoned = "/orbax/" in getattr(getattr(unraisable.object, "cr_code", None), "co_filename", "")
         if not (closed_loop or abandoned):
             self.previous(unraisable)
+
+
+def _file_digests(directory: str, only=None) -> dict[str, str]:
+    """``{relative path: sha256}`` of the files under ``directory`` (those named in ``only``, when given),
+    the checksum file itself left out."""
+    out = {}
+    for root, dirs, files in os.walk(directory):
+        dirs.sort()
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, directory).replace(os.sep, "/")
+            if rel in (CHECKSUMS, CHECKSUMS + ".tmp") or (only is not None and rel not in only):
+                continue
+            if os.path.islink(path) or not os.path.isfile(path):
+                continue
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            out[rel] = digest.hexdigest()
+    return out
 
 
 def _reason(err: BaseException) -> str:

@@ -138,7 +138,8 @@ def run_settings(cfg: TrainConfig, drafter, num_sequences: int) -> dict:
         "rounds": t.rounds if retrace else None, "round_weights": list(weights) if retrace else None,
         "correction_source": t.correction_source, "beta_warmup_steps": t.beta_warmup_steps,
         "compute_dtype": t.compute_dtype, "memory_dtype": t.memory_dtype, "block_size": drafter_cfg.block_size,
-        "num_layers": drafter_cfg.num_layers, "target_layer_ids": list(drafter_cfg.target_layer_ids),
+        "num_layers": drafter_cfg.num_layers, "intermediate_size": drafter_cfg.intermediate_size,
+        "target_layer_ids": list(drafter_cfg.target_layer_ids),
         "mask_token_id": drafter_cfg.mask_token_id,
         "retrace": drafter_cfg.retrace.to_hf() if drafter_cfg.retrace is not None else None,
         "num_sequences": num_sequences,
@@ -150,7 +151,13 @@ def run_settings(cfg: TrainConfig, drafter, num_sequences: int) -> dict:
 
 
 def check_resume(ckpts: Checkpoints, step: int, settings: dict, out: str) -> None:
-    """Refuses, before anything is restored, to resume a checkpoint written with other settings."""
+    """Refuses, before anything is restored, to resume a checkpoint written with other settings. A
+    checkpoint whose files differ from their checksums is not compared (its settings may be the changed
+    bytes): restoring it fails, and :func:`restore_newest_readable` sets it aside."""
+    try:
+        ckpts.verify(step)
+    except CheckpointError:
+        return
     saved = ckpts.read_meta(step)
     if saved.get("objective") == "retrace" and "rounds" not in saved:  # saved without rounds: two rounds
         saved = {**saved, "rounds": 2}
@@ -162,8 +169,8 @@ def check_resume(ckpts: Checkpoints, step: int, settings: dict, out: str) -> Non
 
 def restore_newest_readable(ckpts: Checkpoints, drafter_state, opt_state, settings: dict, out: str, log):
     """``(step, drafter_state, opt_state)`` of the newest checkpoint that restores. Newer ones that do not
-    (a truncated or lost file) are set aside as ``STEP.unreadable`` with a warning, once an older one has
-    restored: a failure that every checkpoint shares (too little memory, say) moves nothing. None
+    (a truncated, lost or changed file) are set aside as ``STEP.unreadable`` with a warning, once an older
+    one has restored: a failure that every checkpoint shares (too little memory, say) moves nothing. None
     readable is a ``CheckpointError`` naming the directory. Every process calls this; a checkpoint that
     fails on any process counts as unreadable on all."""
     failures: list[tuple[int, str]] = []
@@ -171,7 +178,7 @@ def restore_newest_readable(ckpts: Checkpoints, drafter_state, opt_state, settin
         check_resume(ckpts, step, settings, out)
         error = None
         try:
-            new_drafter, new_opt, _ = ckpts.restore(step, drafter_state, opt_state)
+            new_drafter, new_opt, _ = ckpts.restore(step, drafter_state, opt_state, warn=_warning(log))
         except CheckpointError as err:
             error = str(err)
         if agree_any(error is not None):
@@ -188,6 +195,10 @@ def restore_newest_readable(ckpts: Checkpoints, drafter_state, opt_state, settin
         raise CheckpointError(f"no checkpoint in {ckpts.directory} can be read ({listed}); move them away to "
                               f"train from the start")
     return 0, drafter_state, opt_state
+
+
+def _warning(log):
+    return lambda message: log({"event": "warning", "message": message})
 
 
 def global_batch(data: SequenceData, step: int, batch_size: int, seed: int, mesh, features=None):
@@ -291,7 +302,7 @@ def export_checkpoint(cfg, step: int | None = None, log=print) -> str:
         s = _setup(cfg, log)  # the target and the data load only once the step is known to exist
         check_resume(ckpts, step, s.settings, cfg.out)
         _, drafter_def, drafter_state, fixed, opt_state = _trainable(cfg, s.drafter, s.mesh)
-        drafter_state, _, _ = ckpts.restore(step, drafter_state, opt_state)
+        drafter_state, _, _ = ckpts.restore(step, drafter_state, opt_state, warn=_warning(log))
     finally:
         ckpts.close()
     path = export_drafter(nnx.merge(drafter_def, drafter_state, fixed), os.path.join(cfg.out, f"drafter_step{step}"))
@@ -343,6 +354,7 @@ def _run(cfg: TrainConfig, setup: _Setup, eval_ids, ckpts, start, log) -> dict:
             drafter_state, opt_state, metrics = step_fn(target_state, drafter_state, opt_state, batch[0], batch[1],
                                                         jnp.int32(step), jnp.uint32(t.seed), *batch[2:])
             step += 1
+            ckpts.poll()  # the checksums of a checkpoint whose asynchronous save has finished meanwhile
             summary["steps_run"] += 1
             tokens_seen += tokens
             pending.append((step, metrics))

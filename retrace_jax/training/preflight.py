@@ -5,11 +5,14 @@ and the starting drafter's ``config.json`` and against the devices.
 (a layer the target lacks, more positions than it has, a mesh of more devices than there are). Found
 where they are used, they would stop a run after its data preparation, or after its training.
 ``train.py`` runs :func:`preflight` once JAX has started (the mesh spans every process's devices) and
-before anything else; it reads two small JSON files and allocates nothing.
+before anything else (before ``out``, its lock or its log exist); it reads a few small JSON files and
+allocates nothing.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import warnings
 
 import jax
@@ -21,6 +24,7 @@ from retrace_jax.models.retrace import ReTraceConfig
 from retrace_jax.models.tiny import TINY_QWEN3
 from retrace_jax.parallel.sharding import check_divisible, make_mesh
 from retrace_jax.training.config import TrainConfig, as_config
+from retrace_jax.training.data import MANIFEST
 
 # drafter keys that describe a new drafter -> DrafterConfig fields; with drafter.init, those given must
 # be the checkpoint's (rather than be silently ignored)
@@ -47,11 +51,38 @@ def preflight(cfg, stage: str = "all", devices=None) -> None:
     needs neither the starting drafter nor the mesh."""
     cfg = as_config(cfg)
     target = target_config(cfg)
-    problems = _lengths(cfg, target, stage)
+    problems = _prompts(cfg, stage) + _lengths(cfg, target, stage)
     if stage != "prepare":
         problems += _drafter(cfg, target) + _mesh(cfg, target, devices)
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def needs_preparing(cfg, stage: str = "all") -> bool:
+    """Whether ``train.py --stage STAGE`` prepares data: always with ``prepare``; with ``all`` unless
+    ``cfg.data_dir`` holds finished data (a manifest that lists every shard). Data whose manifest cannot
+    be read counts as unfinished."""
+    if stage == "prepare":
+        return True
+    if stage != "all":
+        return False
+    try:
+        with open(os.path.join(as_config(cfg).data_dir, MANIFEST)) as f:
+            manifest = json.load(f)
+        settings = manifest["settings"]
+        return len(manifest["done"]) < -(-settings["num_prompts"] // settings["shard_size"])
+    except (OSError, ValueError, KeyError, TypeError, ArithmeticError):
+        return True
+
+
+def _prompts(cfg: TrainConfig, stage: str) -> list[str]:
+    """A prompt file that is not there, when the data still has to be prepared from it (training from
+    prepared data does not read it)."""
+    path = cfg.data.prompts
+    if path == "random" or os.path.isfile(path) or not needs_preparing(cfg, stage):
+        return []
+    return [f"data.prompts: prompt file not found: {path} (the data in {cfg.data_dir} is still to be prepared "
+            f"from it)"]
 
 
 def _lengths(cfg: TrainConfig, target: ModelConfig, stage: str) -> list[str]:

@@ -280,7 +280,8 @@ JSONL_CASES = {
     "an empty first user message": ({"messages": [{"role": "user", "content": " "}]},
                                     r"the first user message \(messages\[0\]\.content\) is empty"),
     "no user message": ({"messages": [{"role": "system", "content": "s"}]}, r"no user message"),
-    "an unknown record": ({"text": "hi"}, r"a record needs 'messages', 'conversations', 'prompt' or 'turns'"),
+    "an unknown record": ({"content": "hi"}, r"a record needs 'messages', 'conversations', 'prompt', 'turns' or 'text'"),
+    "an empty raw text": ({"text": " "}, r"'text' must be a non-empty string"),
 }
 
 

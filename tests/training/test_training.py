@@ -237,7 +237,7 @@ def test_prompt_files(tmp_path):
     with pytest.raises(DataError, match="no prompts"):
         read_prompts(str(empty))
     odd = tmp_path / "odd.jsonl"
-    odd.write_text('{"text": "w1"}\n')
+    odd.write_text('{"content": "w1"}\n')  # none of the known fields
     with pytest.raises(DataError, match="odd.jsonl:1: a record needs"):
         read_prompts(str(odd))
     with pytest.raises(FileNotFoundError, match="prompt file not found: .*missing.jsonl"):
