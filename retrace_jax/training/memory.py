@@ -21,7 +21,7 @@ from retrace_jax.io.weights import model_specs
 from retrace_jax.models.config import ModelConfig
 from retrace_jax.models.drafter import init_drafter
 from retrace_jax.models.retrace import ReTraceConfig
-from retrace_jax.models.target import TargetModel
+from retrace_jax.models.target import abstract_target
 from retrace_jax.parallel.sharding import batch_sharding, named_sharding
 from retrace_jax.training.config import TrainConfig
 from retrace_jax.training.loop import optimizer_for, step_options
@@ -55,7 +55,7 @@ def abstract_step(cfg: TrainConfig, target_cfg: ModelConfig, mesh=None):
     dc, t = cfg.drafter, cfg.train
     retrace = ReTraceConfig(**cfg.retrace.to_dict()) if t.objective == "retrace" else None
     mask_id = dc.mask_token_id if dc.mask_token_id is not None else target_cfg.vocab_size - 1
-    target = nnx.eval_shape(lambda: TargetModel(target_cfg, dtype=jnp.dtype(cfg.target_dtype), rngs=nnx.Rngs(0)))
+    target = abstract_target(target_cfg, dtype=jnp.dtype(cfg.target_dtype))
     drafter = nnx.eval_shape(lambda: init_drafter(target_cfg, mask_token_id=mask_id, num_layers=dc.num_layers,
                                                   block_size=dc.block_size, target_layer_ids=dc.target_layer_ids,
                                                   intermediate_size=dc.intermediate_size, retrace=retrace))
