@@ -69,6 +69,9 @@ class RoundInfo(NamedTuple):
     proposals_bj: jax.Array  # [B, J] the drafter's tokens for block slots 1..J
     tokens_bw: jax.Array  # [B, W] the round's tokens; the first a + 1 are committed
     draft_logits_bjv: jax.Array  # [B, J, V] (-inf outside a draft vocabulary)
+    # [B, W, V] the verify pass's logits: slot k scores position start + k + 1, on a context that holds the
+    # block's proposals up to slot k, rejected ones included (what ReTrace's mem_t states score)
+    target_logits_bwv: jax.Array | None = None
 
     # The field names before 0.2.0, when K stood for both KV heads and drafted slots.
     proposals_bk = property(lambda self: _renamed(self, "proposals_bk", "proposals_bj"))
@@ -209,7 +212,7 @@ def speculative_round(models, consts: RoundConstants, c: SpecCarry) -> tuple[Spe
         memory=memory,
     )
     full_logits = to_full_vocab(head, draft_logits, target.cfg.vocab_size)  # for drivers; unused in the loop
-    return carry, RoundInfo(active, start, a, proposals, tokens, full_logits)
+    return carry, RoundInfo(active, start, a, proposals, tokens, full_logits, target_logits)
 
 
 @functools.partial(
