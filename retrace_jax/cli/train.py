@@ -19,8 +19,10 @@ Several processes (one per host) run the same command; see docs/training.md. On 
 
 Errors (a bad configuration, a missing file, a diverged run) print one ``error: ...`` line and exit
 with status 1; ``--traceback`` (or ``RETRACE_JAX_TRACEBACK=1``, as for decode.py) shows the traceback.
-A run stopped by SIGTERM (a preempting scheduler) saves a checkpoint and exits with status 143 (128 + 15);
-the same command resumes it.
+A command line that argparse refuses exits with status 2. A run stopped by SIGTERM (a preempting
+scheduler) saves a checkpoint and exits with status 143 (128 + 15); the same command resumes it. Ctrl-C
+(SIGINT) prints ``interrupted`` and exits with status 130 at once, without a checkpoint of its own: a
+rerun resumes from the last periodic one (``train.checkpoint_every``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import sys
 from retrace_jax.cli import TRAIN_ERRORS, run_main
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="a YAML file (see configs/)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -47,19 +49,31 @@ def main(argv=None):
     p.add_argument("--describe", action="store_true", help="print every config key with its default and exit")
     p.add_argument("--traceback", action="store_true", help="on an error, show the full traceback")
     args = p.parse_args(argv)
+    if not args.describe:  # --describe needs nothing else
+        if not args.config:
+            p.error("--config is required")
+        if args.step is not None and args.stage != "export":
+            p.error("--step goes with --stage export")
+    return args
+
+
+def main(argv=None):
+    # Parsing runs inside run_main too, for its handling of Ctrl-C and of a closed standard output (--help);
+    # the errors of the run are reported by the inner run_main, which knows whether --traceback was given.
+    return run_main(_parse_and_run, argv, user_errors=())
+
+
+def _parse_and_run(argv):
+    args = parse_args(argv)
+    return run_main(run, args, traceback=args.traceback, user_errors=TRAIN_ERRORS)
+
+
+def run(args):
     if args.describe:
         from retrace_jax.training.config import describe
 
         print(describe())
         return None
-    if not args.config:
-        p.error("--config is required")
-    if args.step is not None and args.stage != "export":
-        p.error("--step goes with --stage export")
-    return run_main(lambda _: run(args), traceback=args.traceback, user_errors=TRAIN_ERRORS)
-
-
-def run(args):
     from retrace_jax.decoding.programs import enable_compilation_cache
     from retrace_jax.parallel.distributed import initialize
     from retrace_jax.training.config import load_config

@@ -21,7 +21,7 @@ from retrace_jax.models.drafter import DFlashDrafter, check_drafter_matches
 from retrace_jax.models.target import TargetModel
 from retrace_jax.parallel.placement import shard_model
 from retrace_jax.parallel.sharding import axis_size, batch_sharding
-from retrace_jax.validation import generate_arguments, short_repr
+from retrace_jax.validation import MAX_BLOCK_SIZE, generate_arguments, short_repr, token_ids
 
 MIN_BUCKET = 16
 STOP_BUCKET = 8
@@ -79,10 +79,24 @@ def generate(
 ) -> GenerateOutput:
     """Generates up to ``max_new_tokens`` for each prompt (token ids) in one compiled program.
 
-    With a ``drafter``, decoding is speculative (lossless: the same tokens as without it); the block
-    size is the drafter's unless ``block_size`` overrides it. A ReTrace drafter runs with its memory
-    unless ``use_retrace=False`` (an ablation: then it drafts exactly as a DFlash drafter).
+    ``prompts`` is a list of prompts, each a list (or 1-D integer array) of token ids in the target's
+    vocabulary; ``stop_token_ids`` is a list or set of such ids. A bool, a float or a nested list is not a
+    token id, and the error names the prompt and the position at fault.
 
+    With a ``drafter``, decoding is speculative (lossless: the same tokens as without it); the block
+    size is the drafter's unless ``block_size`` overrides it. A block is at most
+    ``retrace_jax.validation.MAX_BLOCK_SIZE`` (256) tokens, no more than the drafter's
+    ``max_position_embeddings`` and, for a drafter with sliding-attention layers, its ``sliding_window``;
+    a larger one is refused before anything is compiled. A block longer than ``max_new_tokens + 1`` is
+    run as given, not shortened: the tokens are the same for every block size, and the proposals past
+    the budget are computed and dropped, whereas a shorter block would change the drafter's proposals
+    (the positions of a block attend to each other) and so the acceptance lengths reported. A ReTrace
+    drafter runs with its memory unless ``use_retrace=False`` (an ablation: then it drafts exactly as a
+    DFlash drafter).
+
+    ``temperature`` is 0 (greedy) or between ``MIN_TEMPERATURE`` (1e-6) and ``MAX_TEMPERATURE`` (1e6) of
+    ``retrace_jax.validation``: the logits are divided by it in float32, where a smaller one is greedy
+    decoding in all but name and, further down, overflows, and a larger one is uniform sampling.
     ``temperature > 0`` samples from the target's distribution after temperature, top-k (0: off) and
     top-p (1.0: off); speculative sampling keeps that distribution exactly, by one of three rules:
     ``draft_rule="argmax"`` proposes the drafter's argmax and verifies by rejection sampling with a
@@ -134,6 +148,10 @@ def generate(
     sampling = SamplingParams.make(temperature, top_k, top_p, seed)
     batch = _check_prompts(target, prompts, max_new_tokens)
     stops = _pad_stops(stop_token_ids, target.cfg.vocab_size)
+    if drafter is not None:
+        check_drafter_matches(drafter.cfg, target.cfg)
+        _check_block_size(drafter.cfg.block_size if block_size is None else block_size, drafter.cfg,
+                          given=block_size is not None)
     capacity = bucket(max_new_tokens)
     rows = bucket(batch, 1)
     if mesh is not None:
@@ -163,7 +181,6 @@ def generate(
         new = [out_tokens[b, : num[b]].tolist() for b in range(batch)]
         return GenerateOutput(tokens=new, acceptance_lengths=[[1] * len(t) for t in new])
 
-    check_drafter_matches(drafter.cfg, target.cfg)
     block_size = drafter.cfg.block_size if block_size is None else block_size
     drafter_def, drafter_state = nnx.split(drafter)
     max_len = prompt_len + capacity + block_size
@@ -217,13 +234,9 @@ def _check_prompts(target: TargetModel, prompts, max_new_tokens: int) -> int:
                         f"{short_repr(prompts)}; for a single prompt pass [ids]")
     cfg = target.cfg
     for i, p in enumerate(prompts):
-        if isinstance(p, (str, bytes)) or not len(p):
+        if not isinstance(p, (str, bytes)) and hasattr(p, "__len__") and not len(p):
             raise ValueError(f"prompt {i} must be a non-empty list of token ids")
-        arr = np.asarray(p)
-        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"prompt {i} must be a flat list of integer token ids")
-        if arr.min() < 0 or arr.max() >= cfg.vocab_size:
-            raise ValueError(f"prompt {i} has token ids outside [0, {cfg.vocab_size})")
+        token_ids(p, cfg.vocab_size, f"prompt {i}")
         if len(p) + max_new_tokens > cfg.max_position_embeddings:
             raise ValueError(
                 f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it needs "
@@ -231,6 +244,21 @@ def _check_prompts(target: TargetModel, prompts, max_new_tokens: int) -> int:
                 f"max_position_embeddings={cfg.max_position_embeddings}"
             )
     return len(prompts)
+
+
+def _check_block_size(block_size: int, drafter_cfg, given: bool) -> None:
+    """Refuses a block that the drafter cannot run, before anything is compiled (see ``generate``)."""
+    what = f"block_size {block_size}" if given else f"the drafter's block_size {block_size}"
+    if block_size > MAX_BLOCK_SIZE:  # a given one is bounded already (generate_arguments); the drafter's own here
+        raise ValueError(f"generate: {what} exceeds {MAX_BLOCK_SIZE}, the largest block generate runs; pass "
+                         f"block_size= to run this drafter with a smaller block")
+    if block_size > drafter_cfg.max_position_embeddings:
+        raise ValueError(f"generate: {what} needs {block_size} positions in one block, more than the drafter's "
+                         f"max_position_embeddings={drafter_cfg.max_position_embeddings}")
+    windows = [w for w in map(drafter_cfg.window, range(drafter_cfg.num_layers)) if w is not None]
+    if windows and block_size > min(windows):
+        raise ValueError(f"generate: {what} is larger than the drafter's sliding_window {min(windows)}: its "
+                         f"sliding-attention layers would not see the whole block")
 
 
 def _pad_prompts(prompts, batch: int, length: int):
@@ -245,15 +273,10 @@ def _pad_prompts(prompts, batch: int, length: int):
 
 
 def _pad_stops(stop_token_ids, vocab_size: int):
-    if isinstance(stop_token_ids, (int, np.integer, str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
+    if isinstance(stop_token_ids, (int, np.integer)):
         raise TypeError(f"stop_token_ids must be a list of token ids, got {type(stop_token_ids).__name__} "
-                        f"{stop_token_ids!r}" + (f"; write [{stop_token_ids}]" if isinstance(stop_token_ids, int) else ""))
-    stops = list(stop_token_ids)
-    if any(not isinstance(s, (int, np.integer)) for s in stops):
-        raise TypeError(f"stop_token_ids must hold integer token ids, got {short_repr(stops)}")
-    stops = [int(s) for s in stops]
-    if any(not 0 <= s < vocab_size for s in stops):
-        raise ValueError(f"stop_token_ids {stops} must lie in [0, {vocab_size})")
+                        f"{stop_token_ids!r}" + ("" if isinstance(stop_token_ids, bool) else f"; write [{stop_token_ids}]"))
+    stops = token_ids(stop_token_ids, vocab_size, "stop_token_ids", "entry {}", allow_set=True)
     padded = np.full((bucket(len(stops), STOP_BUCKET),), -1, np.int32)
     padded[: len(stops)] = stops
     return padded

@@ -162,6 +162,9 @@ def test_resume_checks_rounds_and_reads_older_retrace_checkpoints_as_two_rounds(
         def read_meta(self, step):
             return self.meta
 
+        def verify(self, step):  # checksums recorded and matching
+            return True
+
     drafter_cfg = rj.init_drafter(TINY_QWEN3, mask_token_id=127, num_layers=1, block_size=4).cfg
     four = run_settings(load_config(config, ["train.objective=retrace"]), drafter_cfg, 10)
     two = run_settings(load_config(config, ["train.objective=retrace", "train.rounds=2"]), drafter_cfg, 10)
