@@ -7,6 +7,11 @@ first ``min(length, seq_len)`` positions, one after another), fills resumably (a
 the next unfinished batch, and later runs, resumed or new, reuse it) and is keyed by what decides its
 values: the target, the layers, the sequence length and the dtype. A different key gets its own
 directory, so a stale store is never read.
+
+The sequences are computed in order of length, each batch only as wide as its longest sequence needs
+(a prompt bucket, at most ``seq_len``): a causal model's features at a position do not depend on what
+follows it, and a store of short sequences under a long ``seq_len`` would otherwise compute mostly
+padding.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class FeatureStore:
         self.dtype = np.dtype(key["dtype"])
         self.nbytes = int(self.offsets[-1]) * self.width * self.dtype.itemsize
         self._array = None
+        self._order_name = "length"
 
     def _meta(self) -> dict | None:
         path = os.path.join(self.dir, META)
@@ -53,24 +59,38 @@ class FeatureStore:
     def _write_meta(self, done: int) -> None:
         tmp = os.path.join(self.dir, META + ".tmp")
         with open(tmp, "w") as f:
-            json.dump({**self.key, "width": self.width, "total": int(self.offsets[-1]), "done": done}, f)
+            json.dump({**self.key, "width": self.width, "total": int(self.offsets[-1]), "done": done,
+                       "order": self._order_name}, f)
         os.replace(tmp, os.path.join(self.dir, META))
 
     @property
     def done(self) -> int:
-        """How many sequences (from the first) are stored."""
+        """How many sequences are stored (the first ones in the order they are computed)."""
         meta = self._meta()
         return 0 if meta is None else int(meta["done"])
 
+    def _order(self, meta: dict | None) -> np.ndarray:
+        """The order in which sequences are computed (``done`` counts in it): by length, except for a
+        store that an earlier release began in sequence order."""
+        if meta is not None and meta.get("order") != "length" and int(meta.get("done", 0)) > 0:
+            return np.arange(len(self.lengths))
+        return np.argsort(self.lengths, kind="stable")
+
     def build(self, features_of, rows_of, batch_size: int, log=None) -> "FeatureStore":
         """Fills the store: ``rows_of(idx)`` gives ``tokens [len(idx), seq_len]`` and ``features_of(tokens)``
-        their features ``[batch_size, seq_len, width]`` (a padded batch). Resumes after the last finished
-        batch; logs a ``feature_cache`` event."""
+        the features ``[batch_size, T, width]`` of a padded batch of ``T <= seq_len`` tokens (``T`` is a
+        prompt bucket of the batch's longest sequence). Resumes after the last finished batch; logs a
+        ``feature_cache`` event."""
+        from retrace_jax.decoding.generation import prompt_bucket
+
         os.makedirs(self.dir, exist_ok=True)
         path = os.path.join(self.dir, ARRAY)
         shape = (int(self.offsets[-1]), self.width)
         meta = self._meta()
-        if meta is None or not os.path.isfile(path):
+        fresh = meta is None or not os.path.isfile(path)
+        order = self._order(None if fresh else meta)
+        self._order_name = "length" if np.array_equal(order, np.argsort(self.lengths, kind="stable")) else "sequence"
+        if fresh:
             array = np.lib.format.open_memmap(path, mode="w+", dtype=self.dtype, shape=shape)
             self._write_meta(0)
             done = 0
@@ -82,14 +102,15 @@ class FeatureStore:
         n = len(self.lengths)
         start, first = time.perf_counter(), done
         for i in range(done, n, batch_size):
-            idx = np.arange(i, min(i + batch_size, n))
-            tokens = np.zeros((batch_size, self.seq_len), np.int32)
-            tokens[: len(idx)] = rows_of(idx)
+            idx = order[i : i + batch_size]
+            wide = min(self.seq_len, prompt_bucket(int(self.lengths[idx].max())))
+            tokens = np.zeros((batch_size, wide), np.int32)
+            tokens[: len(idx)] = rows_of(idx)[:, :wide]
             feats = np.asarray(features_of(tokens))
             for row, j in enumerate(idx):
                 array[self.offsets[j]:self.offsets[j + 1]] = feats[row, : self.lengths[j]]
             array.flush()
-            self._write_meta(int(idx[-1]) + 1)
+            self._write_meta(i + len(idx))
         del array
         if log is not None:
             log({"event": "feature_cache", "sequences": n, "computed": n - first, "gib": round(self.nbytes / 2**30, 3),

@@ -1,5 +1,8 @@
 """The on-disk feature store of train.feature_cache: ragged layout, reads, resumable filling, keys."""
 
+import json
+import os
+
 import numpy as np
 import pytest
 
@@ -65,3 +68,45 @@ def test_an_interrupted_build_resumes_after_its_last_batch(tmp_path):
 def test_another_key_is_another_store(tmp_path):
     a, b = store(tmp_path), store(tmp_path, layer_ids=[1, 3])
     assert a.dir != b.dir and a.dir == store(tmp_path).dir
+
+
+def test_batches_of_short_sequences_are_computed_only_as_wide_as_they_need(tmp_path):
+    lengths = [5, 30, 3, 50, 7]
+    seqs = [np.arange(1000 * i, 1000 * i + n, dtype=np.int32) for i, n in enumerate(lengths)]
+
+    def rows(idx):
+        out = np.zeros((len(idx), 40), np.int32)
+        for r, i in enumerate(idx):
+            out[r, : min(40, lengths[i])] = seqs[i][:40]
+        return out
+
+    widths = []
+    key = store_key(tmp_path / "target", [1], 40, np.float32, len(lengths))
+    s = FeatureStore(str(tmp_path), key, lengths, 2).build(lambda t: (widths.append(t.shape[1]), features_of(t))[1],
+                                                           rows, batch_size=2)
+    assert widths == [16, 32, 40]  # lengths 3 and 5, then 7 and 30, then 50 (cut to seq_len)
+    for i, n in enumerate(lengths):
+        np.testing.assert_array_equal(s[[i]][0, : min(n, 40)], features_of(rows([i]))[0, : min(n, 40)])
+
+
+def test_a_store_begun_in_sequence_order_resumes_in_that_order(tmp_path):
+    """A store an earlier release began (its meta has no "order") continues sequence by sequence."""
+    with pytest.raises(KeyboardInterrupt):
+        store(tmp_path).build(lambda t: (_ for _ in ()).throw(KeyboardInterrupt), rows_of, batch_size=2)
+    s = store(tmp_path)
+    path = os.path.join(s.dir, "features.npy")
+    array = np.lib.format.open_memmap(path, mode="r+")
+    first = features_of(rows_of([0, 1]))
+    for r, i in enumerate([0, 1]):  # what the earlier release stored: sequences 0 and 1
+        array[s.offsets[i]:s.offsets[i + 1]] = first[r, : s.lengths[i]]
+    array.flush()
+    with open(os.path.join(s.dir, "meta.json")) as f:
+        meta = json.load(f)
+    meta.pop("order")
+    meta["done"] = 2
+    with open(os.path.join(s.dir, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    computed = []
+    done = store(tmp_path).build(lambda t: (computed.append(t[:, 0].tolist()), features_of(t))[1], rows_of, 2)
+    assert computed == [[200, 300], [400, 0]]  # sequences 2 and 3, then 4 (and a padding row)
+    np.testing.assert_array_equal(done[range(5)], store(tmp_path / "new").build(features_of, rows_of, 2)[range(5)])
