@@ -28,7 +28,6 @@ rerun resumes from the last periodic one (``train.checkpoint_every``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -80,7 +79,7 @@ def run(args):
     from retrace_jax.training.evaluate import MetricsLog
     from retrace_jax.training.lock import run_lock
     from retrace_jax.training.loop import export_checkpoint, train
-    from retrace_jax.training.preflight import preflight
+    from retrace_jax.training.preflight import needs_preparing, preflight
     from retrace_jax.training.prepare import prepare
 
     cfg = load_config(args.config, args.set)
@@ -92,10 +91,8 @@ def run(args):
     with run_lock(cfg.out):  # one run at a time in OUT, refused before anything is written
         log = MetricsLog(cfg.out, cfg.train.tensorboard)
         try:
-            if args.stage in ("all", "prepare"):
-                manifest = os.path.join(cfg.data_dir, "manifest.json")
-                if args.stage == "prepare" or not os.path.exists(manifest) or _unfinished(manifest):
-                    prepare(cfg, log)
+            if needs_preparing(cfg, args.stage):
+                prepare(cfg, log)
             if args.stage in ("all", "train"):
                 summary = train(cfg, log)
                 if summary.get("stopped") == "SIGTERM":  # preempted: the job must not look finished
@@ -106,11 +103,4 @@ def run(args):
                 return summary
         finally:
             log.close()
-
-
-def _unfinished(manifest_path: str) -> bool:
-    with open(manifest_path) as f:
-        m = json.load(f)
-    shards = -(-m["settings"]["num_prompts"] // m["settings"]["shard_size"])
-    return len(m["done"]) < shards
 
