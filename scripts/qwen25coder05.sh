@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The Qwen2.5-Coder-0.5B-Instruct pair of docs/results.md, stage by stage: the prompt sets, then the DFlash
-# drafter (regeneration, the feature store, training, export). Every stage is resumable: rerunning the same
+# The Qwen2.5-Coder-0.5B-Instruct pair of docs/results.md, stage by stage: the prompt sets, the DFlash
+# drafter (regeneration, the feature store, training, export) and its evaluation. Every stage is resumable: rerunning the same
 # command skips what is finished and continues what was interrupted (shards, features, checkpoints).
 #   pip install -e '.[assets]' && bash scripts/qwen25coder05.sh
 set -euo pipefail
@@ -33,3 +33,9 @@ if [ ! -f "$D/code_mix_varied.jsonl" ]; then
     mv "$D/code_mix_varied.jsonl.tmp" "$D/code_mix_varied.jsonl"
 fi
 python train.py --config configs/qwen25coder05_dflash.yaml
+# τ (T = 0 and 1), batch-1 speed against plain decoding, every greedy output checked: HumanEval as raw
+# completion (164 prompts) and the held-out package pieces (256)
+python benchmarks/speculative_eval.py --target "$M" --drafter dflash=runs/qwen25coder05_dflash/drafter \
+    --spec-bench none --humaneval none --prompts "humaneval=$D/humaneval_raw.jsonl" \
+    --prompts "heldout=$D/code_heldout.jsonl" --per-dataset 0 --max-prompt-len 512 --max-new-tokens 128 \
+    --speed-prompts 8 --out runs/qwen25coder05_eval.json
