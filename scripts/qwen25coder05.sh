@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Qwen2.5-Coder-0.5B-Instruct pair of docs/results.md, stage by stage: the prompt sets, the DFlash
-# drafter (regeneration, the feature store, training, export) and its evaluation. Every stage is resumable: rerunning the same
-# command skips what is finished and continues what was interrupted (shards, features, checkpoints).
+# drafter (regeneration, the feature store, training, export) and its evaluation. Every stage is
+# resumable: rerunning the same command skips what is finished and continues what was interrupted
+# (shards, features, checkpoints).
 #   pip install -e '.[assets]' && bash scripts/qwen25coder05.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
