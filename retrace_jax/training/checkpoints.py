@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import gc
-import hashlib
 import json
 import logging
 import os
@@ -35,6 +34,7 @@ import orbax.checkpoint as ocp
 
 from retrace_jax.errors import CheckpointError
 from retrace_jax.io.atomic import write_error
+from retrace_jax.io.digest import file_sha256
 from retrace_jax.parallel.distributed import agree_any, barrier
 from retrace_jax.training.data import settings_differences  # noqa: F401 -- still importable from here
 
@@ -291,11 +291,7 @@ def _file_digests(directory: str, only=None) -> dict[str, str]:
                 continue
             if os.path.islink(path) or not os.path.isfile(path):
                 continue
-            digest = hashlib.sha256()
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(block)
-            out[rel] = digest.hexdigest()
+            out[rel] = file_sha256(path)
     return out
 
 

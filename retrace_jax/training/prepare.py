@@ -21,6 +21,7 @@ import numpy as np
 
 from retrace_jax.decoding.generation import generate
 from retrace_jax.io.checkpoints import load_drafter, load_target
+from retrace_jax.io.digest import file_sha256
 from retrace_jax.models.config import read_config_json
 from retrace_jax.models.tiny import TINY_QWEN3, tiny_target
 from retrace_jax.parallel.distributed import barrier
@@ -93,7 +94,7 @@ def data_settings(cfg: TrainConfig, num_prompts: int | None = None) -> PrepareSe
     from prepared data does not need it, and preparing says that it is missing."""
     d = cfg.data
     random = d.prompts == "random"
-    digest = None if random else file_sha256(d.prompts) if os.path.isfile(d.prompts) else UNRECORDED
+    digest = None if random else file_sha256(d.prompts)[:16] if os.path.isfile(d.prompts) else UNRECORDED
     return PrepareSettings(num_prompts=num_prompts, shard_size=d.shard_size, max_prompt_len=d.max_prompt_len,
                            max_new_tokens=d.max_new_tokens, temperature=d.temperature, source=str(d.prompts),
                            source_sha256=digest, requested_prompts=d.num_prompts, eval_prompts=d.eval_prompts,
@@ -131,13 +132,6 @@ def check_prepared(cfg, log=print, settings: PrepareSettings | None = None) -> P
                                                 f"differ"})
     return settings
 
-
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()[:16]
 
 
 def _prepare(cfg: TrainConfig, log) -> str:
