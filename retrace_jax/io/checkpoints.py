@@ -21,7 +21,6 @@ from retrace_jax.io.weights import (
     WeightSpec,
     all_drafter_specs,
     check_layers,
-    check_names,
     drafter_specs,
     export_tensors,
     load_into,
@@ -71,10 +70,8 @@ def _load_target(path: str, dtype, mesh: Mesh | None) -> TargetModel:
     reader = TensorReader(path)
     # The names first: a config that does not fit its checkpoint is refused before anything is built
     check_layers(reader.names(), "model.layers.", cfg.num_layers, path)
-    specs = target_specs(cfg)
     ignore = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-    check_names(specs, reader.names(), path, ignore)
-    return load_into(abstract_target(cfg, dtype), specs, reader, dtype, ignore=ignore, mesh=mesh)
+    return load_into(abstract_target(cfg, dtype), target_specs(cfg), reader, dtype, ignore=ignore, mesh=mesh)
 
 
 def load_drafter(path: str, target: TargetModel, dtype=None, *, retrace: bool | ReTraceConfig | None = None,
@@ -117,7 +114,6 @@ def _load_drafter(path: str, target: TargetModel, dtype, retrace: bool | ReTrace
         fresh = {("retrace",) + p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(init))}
     elif cfg.retrace is not None:
         specs = all_drafter_specs(cfg)
-    check_names(specs, aliases, path, ignore)
     vocab = read_draft_vocab(path, cfg)
     if vocab is not None:
         fresh = {**(fresh or {}), ("draft_vocab",): jnp.asarray(vocab)}
