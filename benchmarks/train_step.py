@@ -35,6 +35,7 @@ def main(argv=None):
     p.add_argument("--target", default=None, help="a Hugging Face directory (default: the tiny random target)")
     p.add_argument("--draft-vocab", default="0", help="comma-separated draft vocabulary sizes (0: the whole one)")
     p.add_argument("--layers", type=int, default=1, help="drafter layers")
+    p.add_argument("--intermediate-size", type=int, default=None, help="the drafter's MLP width (default: the target's)")
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=224)
@@ -49,7 +50,8 @@ def main(argv=None):
     rng = np.random.RandomState(0)
     tokens = jnp.asarray(rng.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len)), jnp.int32)
     mask = jnp.asarray(np.arange(args.seq_len)[None].repeat(args.batch_size, 0) >= args.seq_len // 4, jnp.int32)
-    base = rj.init_drafter(cfg, mask_token_id=cfg.vocab_size - 1, num_layers=args.layers, block_size=args.block_size)
+    base = rj.init_drafter(cfg, mask_token_id=cfg.vocab_size - 1, num_layers=args.layers, block_size=args.block_size,
+                           intermediate_size=args.intermediate_size)
     feats = ()
     if args.feature_cache:
         width = len(base.cfg.target_layer_ids) * cfg.hidden_size
@@ -80,6 +82,7 @@ def main(argv=None):
             r["times"].append(time.perf_counter() - start)
     whole = float(np.median(runs[sizes[0]]["times"]))
     result = {"target": args.target or "tiny", "vocab": cfg.vocab_size, "layers": args.layers,
+              "intermediate_size": base.cfg.intermediate_size,
               "block_size": args.block_size, "batch_size": args.batch_size, "seq_len": args.seq_len,
               "anchors": args.anchors, "feature_cache": args.feature_cache, "repeats": args.repeats,
               "device": jax.devices()[0].platform}

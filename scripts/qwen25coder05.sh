@@ -34,9 +34,13 @@ if [ ! -f "$D/code_mix_varied.jsonl" ]; then
     mv "$D/code_mix_varied.jsonl.tmp" "$D/code_mix_varied.jsonl"
 fi
 python train.py --config configs/qwen25coder05_dflash.yaml
+# the bfloat16 copy that ships in the package (rj.assets.shipped_drafter("qwen2.5-coder-0.5b-instruct"))
+SHIP=retrace_jax/assets/drafters/qwen2.5-coder-0.5b-instruct-dflash
+python -c "import retrace_jax as rj; t = rj.load_target('$M'); \
+rj.save_drafter(rj.load_drafter('runs/qwen25coder05_dflash/drafter', t), '$SHIP', dtype='bfloat16')"
 # τ (T = 0 and 1), batch-1 speed against plain decoding, every greedy output checked: HumanEval as raw
 # completion (164 prompts) and the held-out package pieces (256)
-python benchmarks/speculative_eval.py --target "$M" --drafter dflash=runs/qwen25coder05_dflash/drafter \
+python benchmarks/speculative_eval.py --target "$M" --drafter dflash=$SHIP \
     --spec-bench none --humaneval none --prompts "humaneval=$D/humaneval_raw.jsonl" \
     --prompts "heldout=$D/code_heldout.jsonl" --per-dataset 0 --max-prompt-len 512 --max-new-tokens 128 \
     --speed-prompts 8 --out runs/qwen25coder05_eval.json
