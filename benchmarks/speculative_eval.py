@@ -1,5 +1,5 @@
 """τ and speed of trained drafters on a real target, per dataset, at T = 0 and T = 1 (the SmolLM2 experiment
-of docs/results.md; prompts that no training step saw).
+of docs/results_smollm2.md; prompts that no training step saw).
 
     python benchmarks/speculative_eval.py \\
         --target ~/.cache/retrace_jax/models/smollm2-135m-instruct \\

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The laboratory A/B/C experiment (lab/README.md, "The drafters"; docs/results.md), stage by
+# The laboratory A/B/C experiment (lab/README.md, "The drafters" and "Experiments"), stage by
 # stage. A train.py run resumes from its last Orbax checkpoint, and a run whose metrics.jsonl records
 # "done" is skipped, so rerunning the script continues where it stopped. Work files go to lab/work/
 # (ignored by git).
 #   pip install -e '.[bench]' && bash lab/run_experiment.sh
 #   SEEDS="0" ABLATIONS=0 bash lab/run_experiment.sh       # seed 0 of B and C only
 #   LONG_SEEDS="0 1 2" bash lab/run_experiment.sh           # the 1,200-step budget at three seeds
-#                                                           # (docs/results.md, "Four times the budget")
+#                                                           # (lab/README.md, "Four times the budget")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SEEDS="${SEEDS:-0 1 2}"

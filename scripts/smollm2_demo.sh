@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The demo's SmolLM2-135M-Instruct drafter (docs/results.md, "The demo drafter"): prompts, the
+# The demo's SmolLM2-135M-Instruct drafter (docs/results_smollm2.md, "The demo drafter"): prompts, the
 # target's responses, the DFlash training with a draft vocabulary, the bfloat16 copy that ships in
 # retrace_jax/assets/drafters/smollm2-135m-instruct-dflash, then its evaluation. Every stage is cached and
 # resumes (the prompt mix is rewritten identically, regeneration shards, the feature store and Orbax

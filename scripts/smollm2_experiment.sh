@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole SmolLM2 experiment of docs/results.md, stage by stage; rerunning skips or resumes finished
+# The whole SmolLM2 experiment of docs/results_smollm2.md, stage by stage; rerunning skips or resumes finished
 # stages (regeneration shards, checkpoints and exported drafters are kept). About 2 hours on 2 CPU cores.
 #   pip install -e '.[assets,bench]' && bash scripts/smollm2_experiment.sh
 set -euo pipefail

@@ -16,7 +16,7 @@ SHIPPED_DRAFTERS = {model: variants["default"] for model, variants in SHIPPED.it
 def shipped_drafter(model: str, variant: str = "default") -> str:
     """The directory of a drafter shipped for ``model``: its ``"default"`` (the demo's) or another variant
     of :data:`SHIPPED` (``"retrace"``: a ReTrace drafter, stage C of the SmolLM2 experiment).
-    docs/results.md says how each was trained."""
+    docs/results_smollm2.md says how each was trained."""
     if model not in SHIPPED:
         raise ValueError(f"no drafter shipped for {model!r}; shipped: {', '.join(SHIPPED)}")
     if variant not in SHIPPED[model]:
