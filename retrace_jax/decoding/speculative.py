@@ -36,7 +36,7 @@ from retrace_jax.decoding.verify import (
 )
 from retrace_jax.models.draft_vocab import DraftHead, draft_head, head_logits, to_full_vocab, to_target_ids
 from retrace_jax.models.kv_cache import KVCache
-from retrace_jax.models.retrace import Memory, shift_memory
+from retrace_jax.models.retrace import Memory, shift_memory, token_hints
 from retrace_jax.models.target import prefill
 
 
@@ -155,7 +155,8 @@ def speculative_init(models, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids
     if use_retrace and drafter.cfg.retrace is not None:
         target_width = (drafter.cfg.num_features * target.cfg.hidden_size if drafter.cfg.retrace.fusion == "keys"
                         else target.cfg.hidden_size)  # the target's features, or its final-norm states
-        memory = Memory.empty(batch, block_size, drafter.cfg.hidden_size, target_width, drafter.dtype)
+        memory = Memory.empty(batch, block_size, drafter.cfg.hidden_size, target_width, drafter.dtype,
+                              hints=drafter.cfg.retrace.hints == "tokens")
     carry = SpecCarry(
         target_cache=target_cache,
         draft_cache=draft_cache,
@@ -195,11 +196,14 @@ def speculative_round(models, consts: RoundConstants, c: SpecCarry) -> tuple[Spe
     next_anchor = jnp.take_along_axis(tokens, a[:, None], axis=1)[:, 0]
     memory = None
     if c.memory is not None:
-        agreed = None
-        if drafter.cfg.retrace.slots == "agreed":  # the target's own tokens, whatever the sampling
-            agreed = proposals == argmax(target_logits)[:, :-1]
-        scored = out.features if drafter.cfg.retrace.fusion == "keys" else out.hidden  # [B, W, F] or [B, W, d]
-        memory = shift_memory(draft_hidden, scored.astype(drafter.dtype), a, agreed)
+        rc = drafter.cfg.retrace
+        agreed = hint = None
+        if rc.slots == "agreed" or rc.hints == "tokens":  # the target's own tokens, whatever the sampling
+            own = argmax(target_logits)[:, :-1]
+            agreed = proposals == own if rc.slots == "agreed" else None
+            hint = token_hints(target.embed, own, proposals, drafter.dtype) if rc.hints == "tokens" else None
+        scored = out.features if rc.fusion == "keys" else out.hidden  # [B, W, F] or [B, W, d]
+        memory = shift_memory(draft_hidden, scored.astype(drafter.dtype), a, agreed, hint)
     rows = jnp.arange(batch)
     accept = c.accept_br.at[rows, jnp.where(active, c.rounds_b, capacity)].set(a + 1, mode="drop")
     carry = SpecCarry(

@@ -106,11 +106,14 @@ def drafter_specs(cfg: DrafterConfig) -> list[WeightSpec]:
 
 
 def retrace_specs(cfg: ReTraceConfig) -> list[WeightSpec]:
-    """``retrace.{correct,value,gate}.weight``, or ``.down.weight`` / ``.up.weight`` pairs with a rank (none
-    for the "keys" fusion, which has no parameters of its own)."""
+    """``retrace.{correct,value,gate}.weight`` (and ``hint``, ``hint_gate`` with ``hints="tokens"``), or
+    ``.down.weight`` / ``.up.weight`` pairs with a rank (none for the "keys" fusion, which has no parameters
+    of its own)."""
     if cfg.fusion == "keys":
         return []
     names = ("correct", "value", "gate") if cfg.gate else ("correct", "value")
+    if cfg.hints == "tokens":
+        names += ("hint", "hint_gate")
     if cfg.rank is None:
         return [WeightSpec(f"retrace.{n}.weight", ("retrace", n, "full", "kernel"), True) for n in names]
     return [WeightSpec(f"retrace.{n}.{f}.weight", ("retrace", n, f, "kernel"), True)

@@ -8,7 +8,15 @@ kept for that slot. Before the first drafter layer each valid slot's mask embedd
     r_j  = mem_d[j] + beta * W_c [mem_d[j] ; mem_t[j]]
     e'_j = e_j + valid_j * (W_v r_j) * sigmoid(W_g [e_j ; r_j])
 
-``W_v`` starts at zero, so a new ReTrace module leaves DFlash unchanged. See ``docs/retrace.md``.
+``W_v`` starts at zero, so a new ReTrace module leaves DFlash unchanged. With ``hints="tokens"`` each valid
+slot also receives the target's verdict there as tokens: ``t_j``, the target's own (argmax) token at the
+verify slot that scored it, and ``r_j``, the drafter's rejected proposal, through the target's (frozen)
+input embedding ``E``:
+
+    h_j  = [E[t_j] ; E[r_j]]
+    e'_j += valid_j * (W_h h_j) * sigmoid(W_hg h_j)
+
+``W_h`` starts at zero too. See ``docs/retrace.md``.
 """
 
 from __future__ import annotations
@@ -33,6 +41,10 @@ Slots = Literal[SLOTS]
 # no parameters of its own, and signals, rank and gate do not apply).
 FUSIONS = ("embedding", "keys")
 Fusion = Literal[FUSIONS]
+# What else the memory carries into the next block's embeddings: "none" (the paper's design) or "tokens"
+# (the target's own token and the drafter's rejected proposal at each kept slot, embedded; see above).
+HINTS = ("none", "tokens")
+Hints = Literal[HINTS]
 
 
 @config_dataclass
@@ -46,14 +58,16 @@ class ReTraceConfig:
     # drafter's rejected token equals the target's own (argmax) token there in the same verify pass
     slots: Slots = "all"
     fusion: Fusion = "embedding"
+    hints: Hints = "none"
 
     def __post_init__(self):
-        if self.fusion == "keys" and (self.signals, self.rank, self.gate) != ("both", None, True):
+        if self.fusion == "keys" and (self.signals, self.rank, self.gate, self.hints) != ("both", None, True, "none"):
             from retrace_jax.errors import ConfigError
 
             raise ConfigError(f"retrace fusion 'keys' feeds the target's features to the drafter's attention and "
-                              f"has no correction, gate or rank: leave signals, rank and gate at their defaults "
-                              f"(got signals={self.signals!r}, rank={self.rank!r}, gate={self.gate!r})")
+                              f"has no correction, gate, rank or hints: leave signals, rank, gate and hints at their "
+                              f"defaults (got signals={self.signals!r}, rank={self.rank!r}, gate={self.gate!r}, "
+                              f"hints={self.hints!r})")
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any] | None) -> "ReTraceConfig | None":
@@ -62,11 +76,14 @@ class ReTraceConfig:
         if hf is None or hf == {}:
             return None
         keys = validated(ReTraceKeys, hf, parent="retrace_config")
-        return cls(keys.signals, keys.rank, keys.gate, keys.slots, keys.fusion) if keys.enabled else None
+        return cls(keys.signals, keys.rank, keys.gate, keys.slots, keys.fusion, keys.hints) if keys.enabled else None
 
     def to_hf(self) -> dict[str, Any]:
-        return {"enabled": True, "signals": self.signals, "rank": self.rank, "gate": self.gate, "slots": self.slots,
-                "fusion": self.fusion}
+        hf = {"enabled": True, "signals": self.signals, "rank": self.rank, "gate": self.gate, "slots": self.slots,
+              "fusion": self.fusion}
+        if self.hints != "none":  # written only when used: a drafter of the paper's design keeps its old config
+            hf["hints"] = self.hints
+        return hf
 
 
 class ReTraceKeys(BaseModel):
@@ -80,6 +97,7 @@ class ReTraceKeys(BaseModel):
     gate: Bool = True
     slots: Slots = "all"  # absent in checkpoints written before it existed: their design, "all"
     fusion: Fusion = "embedding"  # likewise
+    hints: Hints = "none"  # likewise
 
 
 class Projection(nnx.Module):
@@ -111,6 +129,9 @@ class ReTraceFusion(nnx.Module):
         self.value = Projection(d_draft, d_draft, cfg.rank, dtype, rngs, zero=True)
         if cfg.gate:
             self.gate = Projection(2 * d_draft, d_draft, cfg.rank, dtype, rngs)
+        if cfg.hints == "tokens":  # W_h (zero at the start) and its gate W_hg, both reading [E[t]; E[r]]
+            self.hint = Projection(2 * d_draft, d_draft, cfg.rank, dtype, rngs, zero=True)
+            self.hint_gate = Projection(2 * d_draft, d_draft, cfg.rank, dtype, rngs)
 
     def __call__(self, emb_bwd, memory: "Memory", beta=1.0):
         """Fuses the memory into the block's input embeddings ``[B, W, d]``."""
@@ -122,6 +143,9 @@ class ReTraceFusion(nnx.Module):
         residual = self.value(r)
         if self.cfg.gate:
             residual = residual * jax.nn.sigmoid(self.gate(jnp.concatenate([emb_bwd, r], -1)))
+        if self.cfg.hints == "tokens":
+            hint = memory.hint.astype(emb_bwd.dtype)
+            residual = residual + self.hint(hint) * jax.nn.sigmoid(self.hint_gate(hint))
         return emb_bwd + jnp.where(memory.valid[..., None], residual, 0).astype(emb_bwd.dtype)
 
 
@@ -133,16 +157,26 @@ class Memory:
     mem_t: jax.Array  # [B, W, d_target] the target's final-norm states that scored them; with fusion "keys"
     #                   [B, W, F], the target's features there (its layers that the drafter reads)
     valid: jax.Array  # [B, W] bool
+    hint: jax.Array | None = None  # [B, W, 2 d_draft] hints="tokens": [E[t]; E[r]] of each slot; else None
 
     @classmethod
-    def empty(cls, batch: int, block_size: int, d_draft: int, d_target: int, dtype):
+    def empty(cls, batch: int, block_size: int, d_draft: int, d_target: int, dtype, hints: bool = False):
+        hint = jnp.zeros((batch, block_size, 2 * d_draft), dtype) if hints else None
         return cls(jnp.zeros((batch, block_size, d_draft), dtype), jnp.zeros((batch, block_size, d_target), dtype),
-                   jnp.zeros((batch, block_size), bool))
+                   jnp.zeros((batch, block_size), bool), hint)
 
 
-def shift_memory(draft_hidden_bwd, target_hidden_bwd, accepted_b, agreed_bj=None) -> Memory:
+def token_hints(embed, own_bj, proposals_bj, dtype):
+    """``[E[t]; E[r]]`` ``[B, W-1, 2d]`` of each proposal slot: the target's own token ``t`` at the verify slot
+    that scored proposal ``j`` and the proposal ``r`` itself, through the target's input embedding."""
+    return jnp.concatenate([embed(own_bj), embed(proposals_bj)], -1).astype(dtype)
+
+
+def shift_memory(draft_hidden_bwd, target_hidden_bwd, accepted_b, agreed_bj=None, hint_bje=None) -> Memory:
     """The next round's memory after ``a`` acceptances: slot ``j`` takes drafter slot ``a+1+j`` and
     verify slot ``a+j``, valid for ``1 <= j <= W-2-a`` (gathers on clipped indices; no gradient).
+    ``hint_bje`` (``hints="tokens"``): ``[B, W-1, 2d]`` from :func:`token_hints`, indexed like the
+    proposals; slot ``j`` takes entry ``a+j``.
 
     ``agreed_bj`` (``ReTraceConfig.slots == "agreed"``): ``[B, W-1]``, whether the proposal of block slot
     ``i+1`` equals the target's own (argmax) token from verify slot ``i``, which scored it; slot ``j`` is
@@ -159,4 +193,7 @@ def shift_memory(draft_hidden_bwd, target_hidden_bwd, accepted_b, agreed_bj=None
     idx_t = jnp.clip(a + j, 0, w - 1)
     mem_d = jnp.take_along_axis(draft_hidden_bwd, idx_d[..., None], axis=1)
     mem_t = jnp.take_along_axis(target_hidden_bwd, idx_t[..., None], axis=1)
-    return jax.lax.stop_gradient(Memory(mem_d, mem_t, valid))
+    hint = None
+    if hint_bje is not None:
+        hint = jnp.take_along_axis(hint_bje, jnp.clip(a + j, 0, w - 2)[..., None], axis=1)
+    return jax.lax.stop_gradient(Memory(mem_d, mem_t, valid, hint))

@@ -34,7 +34,7 @@ from pydantic import (
 
 from retrace_jax.errors import ConfigError
 from retrace_jax.models.drafter import BlockSize
-from retrace_jax.models.retrace import Fusion, Signals, Slots
+from retrace_jax.models.retrace import Fusion, Hints, Signals, Slots
 from retrace_jax.parallel.sharding import parse_mesh_spec
 from retrace_jax.training.retrace_loss import CORRECTION_SOURCES
 from retrace_jax.training.step import OBJECTIVES
@@ -179,6 +179,9 @@ class RetraceSection(Section):
     fusion: Fusion = doc("where the memory enters the next block: embedding (the paper's gated residual into the "
                          "block's input embeddings) or keys (an ablation: the target's features at the kept slots "
                          "become extra keys and values of the block; no parameters of its own)", "embedding")
+    hints: Hints = doc("what else the memory carries: none (the paper's design) or tokens: at each kept slot the "
+                       "target's own token from the verify pass and the drafter's rejected proposal, embedded, "
+                       "projected and gated into the next block's input (docs/retrace.md, \"Token hints\")", "none")
 
 
 class TrainSection(Section):

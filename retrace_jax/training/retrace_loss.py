@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from retrace_jax.decoding.verify import accepted_count
 from retrace_jax.models.draft_vocab import draft_head
 from retrace_jax.models.drafter import DFlashDrafter
-from retrace_jax.models.retrace import Memory, shift_memory
+from retrace_jax.models.retrace import Memory, shift_memory, token_hints
 from retrace_jax.models.target import TargetModel, forward_beside_context
 from retrace_jax.training.dflash_loss import (
     LossMetrics,
@@ -141,20 +141,25 @@ def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss
             target_states = jnp.take_along_axis(seq.hidden, idx[..., None], axis=1).reshape(b, a_count, k, -1)
             scored = (jnp.take_along_axis(seq.features, idx[..., None], axis=1).reshape(b, a_count, k, -1)
                       if keys_fusion else target_states)
-        agreed = None
-        if cfg.retrace is not None and cfg.retrace.slots == "agreed":
+        agreed = hint = None
+        rc = cfg.retrace
+        if rc is not None and (rc.slots == "agreed" or rc.hints == "tokens"):
             # the target's own tokens where its states scored the proposals: the argmax of the verify pass, or
             # with teacher states the sequence itself
-            own = (jnp.argmax(target.logits(target_states[:, :, :-1]), -1) if correction_source == "verify"
-                   else blocks.labels_baw[:, :, 1:])
-            agreed = (proposals == own).reshape(b * a_count, k - 1)
+            own = (jnp.argmax(target.logits(target_states[:, :, :-1]), -1).astype(jnp.int32)
+                   if correction_source == "verify" else blocks.labels_baw[:, :, 1:])
+            if rc.slots == "agreed":
+                agreed = (proposals == own).reshape(b * a_count, k - 1)
+            if rc.hints == "tokens":
+                hint = token_hints(target.embed, own, proposals, hidden.dtype).reshape(b * a_count, k - 1, -1)
         memory = shift_memory(hidden.reshape(b * a_count, k, -1),
                               scored.reshape(b * a_count, k, -1).astype(hidden.dtype), accepted.reshape(-1),
-                              agreed)
+                              agreed, hint)
         memory = jax.tree.map(lambda x: x.reshape((b, a_count * k) + x.shape[2:]), memory)
         if memory_dtype is not None:  # stored in memory_dtype, used in the compute dtype
-            memory = memory.replace(mem_d=memory.mem_d.astype(memory_dtype).astype(memory.mem_d.dtype),
-                                    mem_t=memory.mem_t.astype(memory_dtype).astype(memory.mem_t.dtype))
+            rounded = lambda x: None if x is None else x.astype(memory_dtype).astype(x.dtype)  # noqa: E731
+            memory = memory.replace(mem_d=rounded(memory.mem_d), mem_t=rounded(memory.mem_t),
+                                    hint=rounded(memory.hint))
     return Rollout(tuple(metrics), tuple(accepted_all), tuple(anchors_all), tuple(valid_all), tuple(memories),
                    tuple(hiddens))
 

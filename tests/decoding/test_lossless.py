@@ -71,9 +71,11 @@ def test_stops_and_limits_inside_a_block(target):
     assert len(out.tokens[1]) == cut + 1 and out.tokens[1][-1] == stop
 
 
-@pytest.mark.parametrize("slots,fusion", [("all", "embedding"), ("agreed", "embedding"), ("all", "keys")])
-def test_a_retrace_drafter_with_its_memory_on_and_off(target, slots, fusion):
-    oracle = Oracle.build(target, PROMPTS, NEW, BLOCK, retrace=rj.ReTraceConfig(slots=slots, fusion=fusion))
+@pytest.mark.parametrize("slots,fusion,hints", [("all", "embedding", "none"), ("agreed", "embedding", "none"),
+                                                ("all", "keys", "none"), ("agreed", "embedding", "tokens")])
+def test_a_retrace_drafter_with_its_memory_on_and_off(target, slots, fusion, hints):
+    oracle = Oracle.build(target, PROMPTS, NEW, BLOCK,
+                          retrace=rj.ReTraceConfig(slots=slots, fusion=fusion, hints=hints))
     for use_retrace in (True, False):
         check(rj.generate(target, PROMPTS, NEW, drafter=oracle.drafter, use_retrace=use_retrace), oracle)
 

@@ -106,9 +106,25 @@ def test_zero_initialised_retrace_is_exactly_dflash(qwen3, trained_drafter, dfla
     assert a == b
 
 
-def test_random_retrace_weights_stay_lossless_and_change_the_traces(qwen3, trained_drafter, dflash_dir):
+def test_zero_initialised_token_hints_are_exactly_dflash(qwen3, trained_drafter, dflash_dir):
+    """``hints="tokens"`` adds W_h at zero: a new module drafts exactly as DFlash, though every other
+    ReTrace weight is random (W_v included) and the hints themselves are not zero."""
     dflash, prompts = trained_drafter
-    retrace = with_random_retrace(rj.load_drafter(dflash_dir, qwen3, retrace=True))
+    drafter = with_random_retrace(rj.load_drafter(dflash_dir, qwen3, retrace=rj.ReTraceConfig(hints="tokens")))
+    graphdef, state = nnx.split(drafter)
+    flat = dict(nnx.to_flat_state(state))
+    for path, var in flat.items():
+        if path[:2] == ("retrace", "value") or path[:2] == ("retrace", "hint"):
+            var.set_value(jnp.zeros_like(var.get_value()))
+    drafter = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    assert np.any(np.asarray(drafter.retrace.hint_gate.full.kernel[...]))
+    assert rj.generate(qwen3, prompts[:6], 32, drafter=drafter) == rj.generate(qwen3, prompts[:6], 32, drafter=dflash)
+
+
+@pytest.mark.parametrize("cfg", [rj.ReTraceConfig(), rj.ReTraceConfig(hints="tokens")])
+def test_random_retrace_weights_stay_lossless_and_change_the_traces(qwen3, trained_drafter, dflash_dir, cfg):
+    dflash, prompts = trained_drafter
+    retrace = with_random_retrace(rj.load_drafter(dflash_dir, qwen3, retrace=cfg))
     plain = rj.generate(qwen3, prompts[:8], 32)
     dfl = rj.generate(qwen3, prompts[:8], 32, drafter=dflash)
     ret = rj.generate(qwen3, prompts[:8], 32, drafter=retrace)
@@ -129,7 +145,8 @@ def test_batched_retrace_rows_equal_rows_alone(qwen3, dflash_dir, trained_drafte
 
 
 @pytest.mark.parametrize("cfg", [rj.ReTraceConfig(), rj.ReTraceConfig(signals="drafter", rank=4, gate=False, slots="agreed"),
-                                 rj.ReTraceConfig(fusion="keys")])
+                                 rj.ReTraceConfig(fusion="keys"), rj.ReTraceConfig(hints="tokens"),
+                                 rj.ReTraceConfig(rank=4, hints="tokens")])
 def test_retrace_checkpoint_round_trip(qwen3, dflash_dir, tmp_path, cfg):
     base = rj.load_drafter(dflash_dir, qwen3)
     import dataclasses
@@ -137,8 +154,10 @@ def test_retrace_checkpoint_round_trip(qwen3, dflash_dir, tmp_path, cfg):
     drafter = with_random_retrace(drafter, seed=2)
     rj.save_drafter(drafter, str(tmp_path))
     with open(tmp_path / "config.json") as f:
+        hints = {} if cfg.hints == "none" else {"hints": cfg.hints}  # written only when used
         assert json.load(f)["retrace_config"] == {"enabled": True, "signals": cfg.signals, "rank": cfg.rank,
-                                                  "gate": cfg.gate, "slots": cfg.slots, "fusion": cfg.fusion}
+                                                  "gate": cfg.gate, "slots": cfg.slots, "fusion": cfg.fusion,
+                                                  **hints}
     loaded = rj.load_drafter(str(tmp_path), qwen3)
     assert loaded.cfg == drafter.cfg
     for (p, a), (_, b) in zip(nnx.to_flat_state(nnx.state(drafter)), nnx.to_flat_state(nnx.state(loaded))):

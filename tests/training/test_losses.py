@@ -15,7 +15,7 @@ from retrace_jax.decoding.generation import _pad_stops
 from retrace_jax.decoding.sampling import SamplingParams
 from retrace_jax.decoding.speculative import SpeculativeStepper, draft_block
 from retrace_jax.decoding.verify import accepted_count
-from retrace_jax.models.retrace import shift_memory
+from retrace_jax.models.retrace import shift_memory, token_hints
 from retrace_jax.training.dflash_loss import (
     block_loss,
     build_blocks,
@@ -117,6 +117,13 @@ def rollout_case_keys(qwen3, trained_drafter):
     return _rollout_case(qwen3, trained_drafter, rj.ReTraceConfig(fusion="keys"))
 
 
+@pytest.fixture(scope="module")
+def rollout_case_hints(qwen3, trained_drafter):
+    """The same with ``hints="tokens"``: the memory also carries the embedded target token and rejected
+    proposal of each slot."""
+    return _rollout_case(qwen3, trained_drafter, rj.ReTraceConfig(hints="tokens"))
+
+
 def _rollout_case(qwen3, trained_drafter, retrace: rj.ReTraceConfig):
     dflash, prompts = trained_drafter
     cfg = dataclasses.replace(dflash.cfg, retrace=retrace)
@@ -182,14 +189,17 @@ def test_two_rounds_compute_the_two_round_rollout(qwen3, rollout_case, source):
 @pytest.mark.parametrize("case,source,rounds", [
     ("rollout_case", "verify", 2), ("rollout_case", "verify", 4), ("rollout_case", "teacher", 2),
     ("rollout_case", "teacher", 4), ("rollout_case_agreed", "verify", 4), ("rollout_case_agreed", "teacher", 4),
-    ("rollout_case_keys", "verify", 4), ("rollout_case_keys", "teacher", 4)])
+    ("rollout_case_keys", "verify", 4), ("rollout_case_keys", "teacher", 4), ("rollout_case_hints", "verify", 4),
+    ("rollout_case_hints", "teacher", 4)])
 def test_rollout_equals_inference_rounds(qwen3, request, case, source, rounds):
     """The training rollout against ``rounds`` real inference rounds (``speculative_round`` through the
     stepper), every anchor a row whose prompt is the sequence up to it: the anchors, ``a``, the drafter's
     states and the memory of every round. With ``teacher`` the stepper's memory takes the teacher-forced
     target states of its round's block in place of the verify pass's (what that source trains). With
     ``slots="agreed"`` the rollout drops the same memory slots as inference (some kept, some dropped);
-    with ``fusion="keys"`` the memory holds the target's features, attended to as extra keys."""
+    with ``fusion="keys"`` the memory holds the target's features, attended to as extra keys; with
+    ``hints="tokens"`` it also holds the embedded target token and rejected proposal of each slot (the
+    sequence's own token in place of the target's with ``teacher``)."""
     drafter, seq, anchors, loss_mask, (stepper, observe) = request.getfixturevalue(case)
     k, s_len = drafter.cfg.block_size, seq.shape[1]
     (ddef, dstate), (tdef, tstate) = nnx.split(drafter), nnx.split(qwen3)
@@ -223,10 +233,13 @@ def test_rollout_equals_inference_rounds(qwen3, request, case, source, rounds):
             memory = stepper.carry.memory
             if source == "teacher":
                 memory = memory.replace(mem_t=shift_memory(teacher, teacher, info.accepted_b).mem_t)
+                at = np.minimum(start[:, None] + 1 + np.arange(k - 1), s_len - 1)
                 if case == "rollout_case_agreed":  # with teacher states the target's own tokens are the sequence
-                    at = np.minimum(start[:, None] + 1 + np.arange(k - 1), s_len - 1)
                     agreed = np.asarray(info.proposals_bj) == seq[0][at]
                     memory = memory.replace(valid=shift_memory(teacher, teacher, info.accepted_b, agreed).valid)
+                if case == "rollout_case_hints":
+                    hint = token_hints(qwen3.embed, jnp.asarray(seq[0][at]), info.proposals_bj, jnp.float32)
+                    memory = memory.replace(hint=shift_memory(teacher, teacher, info.accepted_b, None, hint).hint)
                 stepper.carry = stepper.carry.replace(memory=memory)
             got = roll.memories[r]
             for i in np.flatnonzero(inside & (start + a + 1 < s_len)):  # the next round is valid
@@ -239,6 +252,9 @@ def test_rollout_equals_inference_rounds(qwen3, request, case, source, rounds):
                                            atol=5e-5)
                 np.testing.assert_allclose(np.asarray(got.mem_t[0, sl(i)])[v], np.asarray(memory.mem_t[i])[v],
                                            atol=5e-5)
+                assert (got.hint is None) == (memory.hint is None) == (case != "rollout_case_hints")
+                if memory.hint is not None:
+                    np.testing.assert_array_equal(np.asarray(got.hint[0, sl(i)])[v], np.asarray(memory.hint[i])[v])
     assert len(counts) > 1  # several acceptance counts were exercised
     # The agreement rule dropped slots, and kept some where it could (the tiny target's verify pass, after a
     # wrong token, rarely shares the drafter's later proposals; the sequence itself often does).

@@ -181,6 +181,22 @@ def test_retrace_with_the_keys_fusion_trains_the_drafter_itself(workspace, dflas
     assert rj.generate(target, prompts, 24, drafter=drafter).tokens == rj.generate(target, prompts, 24).tokens
 
 
+def test_retrace_with_token_hints_trains_the_hint_projection(workspace, dflash_run):
+    """``retrace.hints: tokens``: the hint projection W_h starts at zero and learns; the exported drafter
+    says its design in config.json and decodes losslessly."""
+    root, config = workspace
+    out = str(root / "retrace_hints")
+    summary = train.main(["--config", config, "--set", f"out={out}", "--set", "train.objective=retrace",
+                          "--set", f"drafter.init={dflash_run[0]}/drafter", "--set", "train.steps=4",
+                          "--set", "retrace.hints=tokens", "--set", "train.beta_warmup_steps=0"])
+    target = rj.load_target(yaml.safe_load(open(config))["target"])
+    drafter = rj.load_drafter(summary["drafter"], target)
+    assert drafter.cfg.retrace == rj.ReTraceConfig(hints="tokens")
+    assert np.any(np.asarray(drafter.retrace.hint.full.kernel[...]))  # it learned past zero
+    prompts = json.load(open(root / "data" / "eval_prompts.json"))
+    assert rj.generate(target, prompts, 24, drafter=drafter).tokens == rj.generate(target, prompts, 24).tokens
+
+
 def test_data_preparation_resumes_and_keeps_finished_shards(tmp_path):
     prompts = [[i % 7 + 1, 3] for i in range(10)]
     settings = PrepareSettings(num_prompts=10, shard_size=4, max_prompt_len=8, max_new_tokens=3)
