@@ -16,7 +16,8 @@ input embedding ``E``:
     h_j  = [E[t_j] ; E[r_j]]
     e'_j += valid_j * (W_h h_j) * sigmoid(W_hg h_j)
 
-``W_h`` starts at zero too. See ``docs/retrace.md``.
+``W_h`` starts at zero too. With ``zero_start="scale"`` the first residual is multiplied by a learned
+scalar that starts at zero, and ``W_v`` starts small and random instead. See ``docs/retrace.md``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ Fusion = Literal[FUSIONS]
 # (the target's own token and the drafter's rejected proposal at each kept slot, embedded; see above).
 HINTS = ("none", "tokens")
 Hints = Literal[HINTS]
+# Which parameter starts at zero, so that a new module drafts exactly as DFlash: "value" (W_v, the
+# paper's: W_c's gradient is then zero until W_v grows) or "scale" (a learned scalar on the fused residual;
+# W_v starts small and random, so W_c and W_v learn as soon as the scale moves).
+ZERO_STARTS = ("value", "scale")
+ZeroStart = Literal[ZERO_STARTS]
 
 
 @config_dataclass
@@ -59,15 +65,17 @@ class ReTraceConfig:
     slots: Slots = "all"
     fusion: Fusion = "embedding"
     hints: Hints = "none"
+    zero_start: ZeroStart = "value"
 
     def __post_init__(self):
-        if self.fusion == "keys" and (self.signals, self.rank, self.gate, self.hints) != ("both", None, True, "none"):
+        module = (self.signals, self.rank, self.gate, self.hints, self.zero_start)
+        if self.fusion == "keys" and module != ("both", None, True, "none", "value"):
             from retrace_jax.errors import ConfigError
 
             raise ConfigError(f"retrace fusion 'keys' feeds the target's features to the drafter's attention and "
-                              f"has no correction, gate, rank or hints: leave signals, rank, gate and hints at their "
-                              f"defaults (got signals={self.signals!r}, rank={self.rank!r}, gate={self.gate!r}, "
-                              f"hints={self.hints!r})")
+                              f"has no correction, gate, rank, hints or zero start: leave signals, rank, gate, hints "
+                              f"and zero_start at their defaults (got signals={self.signals!r}, rank={self.rank!r}, "
+                              f"gate={self.gate!r}, hints={self.hints!r}, zero_start={self.zero_start!r})")
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any] | None) -> "ReTraceConfig | None":
@@ -76,13 +84,18 @@ class ReTraceConfig:
         if hf is None or hf == {}:
             return None
         keys = validated(ReTraceKeys, hf, parent="retrace_config")
-        return cls(keys.signals, keys.rank, keys.gate, keys.slots, keys.fusion, keys.hints) if keys.enabled else None
+        if not keys.enabled:
+            return None
+        return cls(keys.signals, keys.rank, keys.gate, keys.slots, keys.fusion, keys.hints, keys.zero_start)
 
     def to_hf(self) -> dict[str, Any]:
         hf = {"enabled": True, "signals": self.signals, "rank": self.rank, "gate": self.gate, "slots": self.slots,
               "fusion": self.fusion}
-        if self.hints != "none":  # written only when used: a drafter of the paper's design keeps its old config
+        # written only when used: a drafter of the paper's design keeps its old config
+        if self.hints != "none":
             hf["hints"] = self.hints
+        if self.zero_start != "value":
+            hf["zero_start"] = self.zero_start
         return hf
 
 
@@ -98,6 +111,7 @@ class ReTraceKeys(BaseModel):
     slots: Slots = "all"  # absent in checkpoints written before it existed: their design, "all"
     fusion: Fusion = "embedding"  # likewise
     hints: Hints = "none"  # likewise
+    zero_start: ZeroStart = "value"  # likewise
 
 
 class Projection(nnx.Module):
@@ -126,7 +140,9 @@ class ReTraceFusion(nnx.Module):
         self.cfg = cfg
         d_in = {"drafter": d_draft, "target": d_target, "both": d_draft + d_target}[cfg.signals]
         self.correct = Projection(d_in, d_draft, cfg.rank, dtype, rngs)
-        self.value = Projection(d_draft, d_draft, cfg.rank, dtype, rngs, zero=True)
+        self.value = Projection(d_draft, d_draft, cfg.rank, dtype, rngs, zero=cfg.zero_start == "value")
+        if cfg.zero_start == "scale":
+            self.scale = nnx.Param(jnp.zeros((1,), dtype))
         if cfg.gate:
             self.gate = Projection(2 * d_draft, d_draft, cfg.rank, dtype, rngs)
         if cfg.hints == "tokens":  # W_h (zero at the start) and its gate W_hg, both reading [E[t]; E[r]]
@@ -143,6 +159,8 @@ class ReTraceFusion(nnx.Module):
         residual = self.value(r)
         if self.cfg.gate:
             residual = residual * jax.nn.sigmoid(self.gate(jnp.concatenate([emb_bwd, r], -1)))
+        if self.cfg.zero_start == "scale":
+            residual = residual * self.scale[...].astype(residual.dtype)
         if self.cfg.hints == "tokens":
             hint = memory.hint.astype(emb_bwd.dtype)
             residual = residual + self.hint(hint) * jax.nn.sigmoid(self.hint_gate(hint))

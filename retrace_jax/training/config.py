@@ -34,7 +34,7 @@ from pydantic import (
 
 from retrace_jax.errors import ConfigError
 from retrace_jax.models.drafter import BlockSize
-from retrace_jax.models.retrace import Fusion, Hints, Signals, Slots
+from retrace_jax.models.retrace import Fusion, Hints, Signals, Slots, ZeroStart
 from retrace_jax.parallel.sharding import parse_mesh_spec
 from retrace_jax.training.retrace_loss import CORRECTION_SOURCES
 from retrace_jax.training.step import OBJECTIVES
@@ -182,6 +182,9 @@ class RetraceSection(Section):
     hints: Hints = doc("what else the memory carries: none (the paper's design) or tokens: at each kept slot the "
                        "target's own token from the verify pass and the drafter's rejected proposal, embedded, "
                        "projected and gated into the next block's input (docs/retrace.md, \"Token hints\")", "none")
+    zero_start: ZeroStart = doc("which parameter starts at zero so that a new module drafts as DFlash: value (W_v, "
+                                "the paper's) or scale (a learned scalar on the fused residual; W_v starts small "
+                                "and random)", "value")
 
 
 class TrainSection(Section):
@@ -221,6 +224,12 @@ class TrainSection(Section):
     beta_warmup_steps: NonNegativeInt = doc("ReTrace: beta ramps 0 -> 1 over these optimizer updates", 50)
     memory_dtype: Literal[MEMORY_DTYPES] | None = doc("ReTrace: store the retained (detached) rejected-suffix "
                                                       "states in this dtype, e.g. float16; null: the compute dtype")
+    memory_dropout: NonNegativeFloat = doc("ReTrace: probability that a block's memory is dropped in a round after the "
+                                           "first (it then drafts as DFlash), so what the memory adds is its own",
+                                           0.0, le=1)
+    miss_weight: NonNegativeFloat = doc("ReTrace: slots that the same round drafted without its memory gets wrong "
+                                        "weigh 1 + miss_weight in the loss (one more gradient-free draft per later "
+                                        "round)", 0.0)
     seed: NonNegativeInt = doc("drafter init, anchors and the data order", 0)
     mesh: MeshSpec | None = doc("e.g. 'data=2,fsdp=2,tensor=2' over all devices of all processes; null: every "
                                 "device on the data axis")

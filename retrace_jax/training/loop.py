@@ -113,7 +113,8 @@ def step_options(cfg: TrainConfig) -> StepOptions:
                        correction_source=t.correction_source, beta_warmup_steps=t.beta_warmup_steps,
                        compute_dtype=t.compute_dtype, remat=t.remat, grad_accum=t.grad_accum,
                        memory_dtype=t.memory_dtype, rounds=t.rounds,
-                       round_weights=None if t.round_weights is None else tuple(t.round_weights))
+                       round_weights=None if t.round_weights is None else tuple(t.round_weights),
+                       memory_dropout=t.memory_dropout, miss_weight=t.miss_weight)
 
 
 def optimizer_for(cfg: TrainConfig):
@@ -136,6 +137,7 @@ def run_settings(cfg: TrainConfig, drafter, num_sequences: int) -> dict:
         "weight_decay": t.weight_decay, "clip": t.clip, "gamma": t.gamma, "round1_weight": weights[0],
         "retrace_lr_multiplier": t.retrace_lr_multiplier if retrace else None,
         "rounds": t.rounds if retrace else None, "round_weights": list(weights) if retrace else None,
+        "memory_dropout": t.memory_dropout if retrace else None, "miss_weight": t.miss_weight if retrace else None,
         "correction_source": t.correction_source, "beta_warmup_steps": t.beta_warmup_steps,
         "compute_dtype": t.compute_dtype, "memory_dtype": t.memory_dtype, "block_size": drafter_cfg.block_size,
         "num_layers": drafter_cfg.num_layers, "intermediate_size": drafter_cfg.intermediate_size,

@@ -86,15 +86,43 @@ def verify_blocks(target: TargetModel, seq_cache, blocks_baw, anchors_ba, featur
     return batch_sharded(out).reshape(b, a, k, -1)
 
 
+class MemoryTraining(NamedTuple):
+    """Options of the rollout that decide what the memory is trained on (all off by default: the
+    paper's rollout).
+
+    - ``dropout``: the probability that a block's memory is dropped in a round after the first (the
+      block then drafts as DFlash would), drawn from ``key``; the drafter must stay good without the
+      memory, so what the memory adds is its own.
+    - ``miss_weight``: slots that the same round's memory-off draft gets wrong weigh ``1 + miss_weight``
+      in the loss (a second, gradient-free draft of each later round without its memory).
+    """
+
+    dropout: float = 0.0
+    miss_weight: float = 0.0
+    key: jax.Array | None = None
+
+    def check(self):
+        if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout <= 1.0):
+            raise ValueError(f"memory dropout must be a probability in [0, 1], got {self.dropout!r}")
+        if not (isinstance(self.miss_weight, (int, float)) and 0.0 <= self.miss_weight < float("inf")):
+            raise ValueError(f"miss_weight must be a number >= 0, got {self.miss_weight!r}")
+        if self.dropout > 0 and self.key is None:
+            raise ValueError("memory dropout needs a random key")
+
+
 def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss_mask_bs, anchors_ba, valid_ba,
                     beta, correction_source: str = "verify", gamma: float | None = None, remat: bool = False,
-                    memory_dtype=None, *, rounds: int = DEFAULT_ROUNDS) -> Rollout:
+                    memory_dtype=None, *, rounds: int = DEFAULT_ROUNDS,
+                    memory_training: MemoryTraining = MemoryTraining()) -> Rollout:
     """The ``rounds``-round rollout from the sampled anchors. Each memory carried into the next round is
     detached (no gradient flows into a round through it); ``memory_dtype`` (e.g. ``"float16"``) stores
-    it rounded to that type. Blocks whose anchor runs past the sequence are invalid from then on."""
+    it rounded to that type. Blocks whose anchor runs past the sequence are invalid from then on.
+    ``memory_training``: see :class:`MemoryTraining`."""
     if correction_source not in CORRECTION_SOURCES:
         raise ValueError(f"correction_source must be one of {CORRECTION_SOURCES}, got {correction_source!r}")
     loss_weights(rounds)  # checks rounds
+    mt = memory_training
+    mt.check()
     cfg = drafter.cfg
     k = cfg.block_size
     gamma = default_gamma(k) if gamma is None else gamma
@@ -112,9 +140,17 @@ def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss
             anchors = anchors + accepted + 1
             valid = valid & (anchors < s)
             anchors = jnp.minimum(anchors, s - 1)
-            memory = memory.replace(valid=memory.valid & jnp.repeat(valid, k, axis=1))
+            keep = valid
+            if mt.dropout > 0:
+                keep = keep & jax.random.bernoulli(jax.random.fold_in(mt.key, r), 1.0 - mt.dropout, valid.shape)
+            memory = memory.replace(valid=memory.valid & jnp.repeat(keep, k, axis=1))
             memories.append(memory)
         blocks = build_blocks(tokens_bs, loss_mask_bs, anchors, valid, k, cfg.mask_token_id, gamma)
+        if r > 0 and mt.miss_weight > 0:  # weigh up the slots that this round's memory-off draft gets wrong
+            off = jax.lax.stop_gradient(draft_blocks(drafter, target, ctx_kv, blocks, None, beta))
+            missed = score_blocks(target, head, off, blocks)[1] != blocks.labels_baw[:, :, 1:]
+            scale = jnp.concatenate([jnp.ones_like(anchors, jnp.float32)[..., None], 1.0 + mt.miss_weight * missed], -1)
+            blocks = blocks._replace(weights_baw=blocks.weights_baw * scale)
         hidden = draft_blocks(drafter, target, ctx_kv, blocks, memory, beta, remat=remat)
         m, proposals = score_blocks(target, head, hidden, blocks)  # proposals [B, A, J]
         metrics.append(m)
@@ -166,10 +202,10 @@ def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss
 
 def retrace_loss(drafter, target, tokens_bs, loss_mask_bs, anchors_ba, valid_ba, beta, *, round1_weight=None,
                  correction_source="verify", gamma=None, remat=False, memory_dtype=None, rounds=DEFAULT_ROUNDS,
-                 round_weights=None):
+                 round_weights=None, memory_training: MemoryTraining = MemoryTraining()):
     """The weighted sum of the rounds' losses (weights from :func:`loss_weights`: by default 1.0 each,
     so two rounds give round 2 + ``round1_weight`` × round 1); metrics of every round."""
     weights = loss_weights(rounds, round_weights, round1_weight)
     r = retrace_rollout(drafter, target, tokens_bs, loss_mask_bs, anchors_ba, valid_ba, beta, correction_source,
-                        gamma, remat, memory_dtype, rounds=rounds)
+                        gamma, remat, memory_dtype, rounds=rounds, memory_training=memory_training)
     return sum(w * m.loss for w, m in zip(weights, r.rounds)), r

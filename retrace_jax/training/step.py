@@ -18,7 +18,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from retrace_jax.parallel.sharding import batch_sharding
 from retrace_jax.training.dflash_loss import TRAIN_MESH, dflash_loss, sample_anchors
-from retrace_jax.training.retrace_loss import CORRECTION_SOURCES, DEFAULT_ROUNDS, loss_weights, retrace_loss
+from retrace_jax.training.retrace_loss import (
+    CORRECTION_SOURCES,
+    DEFAULT_ROUNDS,
+    MemoryTraining,
+    loss_weights,
+    retrace_loss,
+)
 
 OBJECTIVES = ("dflash", "retrace")
 _norm = optax.tree.norm if hasattr(getattr(optax, "tree", None), "norm") else optax.global_norm
@@ -38,6 +44,8 @@ class StepOptions:
     memory_dtype: str | None = None  # ReTrace: dtype the retained (detached) states are stored in; None: compute
     rounds: int = DEFAULT_ROUNDS  # ReTrace: rounds of the on-policy rollout (>= 2)
     round_weights: tuple[float, ...] | None = None  # ReTrace: loss weight per round; None: from round1_weight
+    memory_dropout: float = 0.0  # ReTrace: probability that a block's memory is dropped in a later round
+    miss_weight: float = 0.0  # ReTrace: extra loss weight of slots the memory-off draft gets wrong
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -53,6 +61,7 @@ class StepOptions:
         if not isinstance(self.remat, bool):
             raise ValueError(f"remat must be True or False, got {self.remat!r}")
         loss_weights(self.rounds, self.round_weights, self.round1_weight)  # raises ValueError
+        MemoryTraining(self.memory_dropout, self.miss_weight, jnp.zeros(2, jnp.uint32)).check()
         if self.round_weights is not None:
             object.__setattr__(self, "round_weights", tuple(self.round_weights))  # hashable (a static argument)
         for name in ("num_anchors", "grad_accum"):
@@ -110,7 +119,9 @@ def loss_fn(drafter_state, drafter_def, target, tokens_bs, loss_mask_bs, step, s
     loss, r = retrace_loss(drafter, target, tokens_bs, loss_mask_bs, anchors, valid, beta,
                            round1_weight=opts.round1_weight, correction_source=opts.correction_source,
                            gamma=opts.gamma, remat=opts.remat, memory_dtype=opts.memory_dtype, rounds=opts.rounds,
-                           round_weights=opts.round_weights)
+                           round_weights=opts.round_weights,
+                           memory_training=MemoryTraining(opts.memory_dropout, opts.miss_weight,
+                                                          jax.random.fold_in(key, 1)))
     # Round 1 keeps the DFlash names (tau, slot_accuracy); every round n has loss_roundN, accepted_roundN
     # (mean a over its valid blocks) and, from round 2 on, tau_roundN and slot_accuracy_roundN.
     metrics = {"loss": loss, "tau": r.round1.tau, "slot_accuracy": r.round1.slot_accuracy, "beta": beta}

@@ -121,6 +121,29 @@ def test_zero_initialised_token_hints_are_exactly_dflash(qwen3, trained_drafter,
     assert rj.generate(qwen3, prompts[:6], 32, drafter=drafter) == rj.generate(qwen3, prompts[:6], 32, drafter=dflash)
 
 
+def test_a_zero_scale_start_is_exactly_dflash_and_its_gradient_reaches_the_correction(qwen3, trained_drafter,
+                                                                                     dflash_dir):
+    """``zero_start="scale"``: W_v starts random, a scalar on the residual at zero, so a new module drafts
+    exactly as DFlash; the scale's gradient is not zero at the start (the paper's zero W_v gives W_c a zero
+    gradient instead)."""
+    dflash, prompts = trained_drafter
+    drafter = rj.load_drafter(dflash_dir, qwen3, retrace=rj.ReTraceConfig(zero_start="scale"))
+    assert np.any(np.asarray(drafter.retrace.value.full.kernel[...]))
+    assert not np.any(np.asarray(drafter.retrace.scale[...]))
+    assert rj.generate(qwen3, prompts[:6], 32, drafter=drafter) == rj.generate(qwen3, prompts[:6], 32, drafter=dflash)
+    rng = np.random.RandomState(0)
+    d = drafter.cfg.hidden_size
+    memory = Memory(jnp.asarray(rng.randn(2, 4, d), jnp.float32), jnp.asarray(rng.randn(2, 4, d), jnp.float32),
+                    jnp.asarray([[False, True, True, False]] * 2))
+    emb = jnp.asarray(rng.randn(2, 4, d), jnp.float32)
+    target = jnp.asarray(rng.randn(2, 4, d), jnp.float32)
+    fusion = drafter.retrace
+    graphdef, state = nnx.split(fusion)
+    grads = jax.grad(lambda st: jnp.sum(nnx.merge(graphdef, st)(emb, memory) * target))(state)
+    flat = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads)}
+    assert np.any(flat[("scale",)])
+
+
 @pytest.mark.parametrize("cfg", [rj.ReTraceConfig(), rj.ReTraceConfig(hints="tokens")])
 def test_random_retrace_weights_stay_lossless_and_change_the_traces(qwen3, trained_drafter, dflash_dir, cfg):
     dflash, prompts = trained_drafter
@@ -146,7 +169,7 @@ def test_batched_retrace_rows_equal_rows_alone(qwen3, dflash_dir, trained_drafte
 
 @pytest.mark.parametrize("cfg", [rj.ReTraceConfig(), rj.ReTraceConfig(signals="drafter", rank=4, gate=False, slots="agreed"),
                                  rj.ReTraceConfig(fusion="keys"), rj.ReTraceConfig(hints="tokens"),
-                                 rj.ReTraceConfig(rank=4, hints="tokens")])
+                                 rj.ReTraceConfig(rank=4, hints="tokens"), rj.ReTraceConfig(zero_start="scale")])
 def test_retrace_checkpoint_round_trip(qwen3, dflash_dir, tmp_path, cfg):
     base = rj.load_drafter(dflash_dir, qwen3)
     import dataclasses
@@ -154,7 +177,8 @@ def test_retrace_checkpoint_round_trip(qwen3, dflash_dir, tmp_path, cfg):
     drafter = with_random_retrace(drafter, seed=2)
     rj.save_drafter(drafter, str(tmp_path))
     with open(tmp_path / "config.json") as f:
-        hints = {} if cfg.hints == "none" else {"hints": cfg.hints}  # written only when used
+        hints = {} if cfg.hints == "none" else {"hints": cfg.hints}  # written only when used, as zero_start
+        hints.update({} if cfg.zero_start == "value" else {"zero_start": cfg.zero_start})
         assert json.load(f)["retrace_config"] == {"enabled": True, "signals": cfg.signals, "rank": cfg.rank,
                                                   "gate": cfg.gate, "slots": cfg.slots, "fusion": cfg.fusion,
                                                   **hints}

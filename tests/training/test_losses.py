@@ -344,3 +344,76 @@ def test_the_retrace_module_learns_at_its_own_rate(qwen3):
     with pytest.raises(ValueError, match="retrace_lr_multiplier must be a positive number"):
         adamw(1e-2, 10, retrace_lr_multiplier=0.0)
     assert isinstance(adamw(1e-2, 10), optax.GradientTransformation)
+
+
+def test_memory_dropout_drops_whole_blocks_of_later_rounds(qwen3, rollout_case):
+    """``MemoryTraining(dropout=p)``: in each round after the first, a block's memory is dropped with
+    probability p (all its slots invalid), drawn from the key; p = 0 is the paper's rollout, p = 1 drops
+    every memory, so every round drafts as DFlash."""
+    from retrace_jax.training.retrace_loss import MemoryTraining
+
+    drafter, seq, anchors, loss_mask, _ = rollout_case
+    k = drafter.cfg.block_size
+    (ddef, dstate), (tdef, tstate) = nnx.split(drafter), nnx.split(qwen3)
+
+    @functools.partial(jax.jit, static_argnames="p")
+    def roll(dstate, p, key):
+        return retrace_rollout(nnx.merge(ddef, dstate), nnx.merge(tdef, tstate), seq, loss_mask, anchors,
+                               np.ones(anchors.shape, bool), 1.0, rounds=4,
+                               memory_training=MemoryTraining(dropout=p, key=key))
+
+    key = jax.random.PRNGKey(5)
+    base = roll(dstate, 0.0, key)
+    plain = retrace_rollout(drafter, qwen3, seq, loss_mask, anchors, np.ones(anchors.shape, bool), 1.0, rounds=4)
+    np.testing.assert_allclose(float(base.rounds[-1].loss), float(plain.rounds[-1].loss), rtol=1e-6)
+    every = roll(dstate, 1.0, key)
+    assert not any(np.asarray(m.valid).any() for m in every.memories)
+    half = roll(dstate, 0.5, key)
+    kept = dropped = 0
+    for m_half, m_base in zip(half.memories, base.memories):
+        h = np.asarray(m_half.valid).reshape(-1, k).any(-1)
+        b_ = np.asarray(m_base.valid).reshape(-1, k).any(-1)
+        assert not (h & ~b_).any()  # dropping never adds a slot
+        kept, dropped = kept + int((h & b_).sum()), dropped + int((~h & b_).sum())
+        # a block is kept whole or dropped whole
+        np.testing.assert_array_equal(np.asarray(m_half.valid).reshape(-1, k),
+                                      np.asarray(m_base.valid).reshape(-1, k) & h[:, None])
+    assert kept > 0 and dropped > 0, (kept, dropped)
+    with pytest.raises(ValueError, match="memory dropout needs a random key"):
+        retrace_rollout(drafter, qwen3, seq, loss_mask, anchors, np.ones(anchors.shape, bool), 1.0, rounds=2,
+                        memory_training=MemoryTraining(dropout=0.5))
+
+
+def test_miss_weight_weighs_the_slots_the_memory_off_draft_gets_wrong(qwen3, rollout_case):
+    """``MemoryTraining(miss_weight=w)``: round 1 is unchanged; in later rounds a slot that the round's own
+    draft without memory gets wrong weighs 1 + w, so the loss moves toward those slots while the
+    acceptance metrics stay the same. The weighted loss is checked against the slot losses themselves."""
+    from retrace_jax.training.dflash_loss import slot_loss
+    from retrace_jax.training.retrace_loss import MemoryTraining
+
+    drafter, seq, anchors, loss_mask, _ = rollout_case
+    valid = np.ones(anchors.shape, bool)
+    (ddef, dstate), (tdef, tstate) = nnx.split(drafter), nnx.split(qwen3)
+    roll = jax.jit(lambda dstate, w: retrace_rollout(nnx.merge(ddef, dstate), nnx.merge(tdef, tstate), seq, loss_mask,
+                                                      anchors, valid, 1.0, rounds=2,
+                                                      memory_training=MemoryTraining(miss_weight=w)),
+                   static_argnums=1)
+    base, weighted = roll(dstate, 0.0), roll(dstate, 3.0)
+    np.testing.assert_allclose(float(weighted.round1.loss), float(base.round1.loss), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(weighted.round2.slot_accuracy), np.asarray(base.round2.slot_accuracy))
+    np.testing.assert_allclose(float(weighted.round2.tau), float(base.round2.tau), rtol=1e-6)
+    assert abs(float(weighted.round2.loss) - float(base.round2.loss)) > 1e-4
+
+    # The reference: round 2's blocks drafted with and without the memory; weights 1 + 3 x (off-draft wrong).
+    k = drafter.cfg.block_size
+    blocks = build_blocks(jnp.asarray(seq), jnp.asarray(loss_mask), base.anchors[1], base.valid[1], k,
+                          drafter.cfg.mask_token_id, default_gamma(k))
+    seq_out = qwen3(jnp.asarray(seq), qwen3.init_cache(1, seq.shape[1]), feature_layers=drafter.cfg.target_layer_ids)
+    ctx = sequence_context(drafter, seq_out.features)
+    off = draft_blocks(drafter, qwen3, ctx, blocks)
+    on = draft_blocks(drafter, qwen3, ctx, blocks, base.memory, 1.0)
+    missed = np.asarray(jnp.argmax(qwen3.logits(off[:, :, 1:]), -1)) != np.asarray(blocks.labels_baw[:, :, 1:])
+    w = np.asarray(blocks.weights_baw[:, :, 1:]) * (1 + 3.0 * missed)
+    want = slot_loss(qwen3.logits(on[:, :, 1:]), blocks.labels_baw[:, :, 1:], jnp.asarray(w))
+    np.testing.assert_allclose(float(weighted.round2.loss), float(want.loss), rtol=1e-5)
+    assert missed[np.asarray(blocks.weights_baw[:, :, 1:]) > 0].mean() not in (0.0, 1.0)
