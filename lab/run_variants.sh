@@ -3,15 +3,16 @@
 # and "Training on rollouts"): every run starts from the shipped bf16 drafter A (lab/drafters/A) and trains
 # 300 steps on A's data, three seeds each. B: DFlash. C_paper: the paper's memory (every slot). C_agreed:
 # the slot rule of the shipped C. C_hints: the paper's memory plus the target's token and the rejected
-# proposal as token hints. C_fixed: C_hints trained with a zero-started scale, memory dropout 0.5 and the
-# loss weighted toward the slots the memory-off draft gets wrong. A train.py run resumes from its last
+# proposal as token hints. C_mix: the paper's memory plus the output mixture with the target's stale
+# distribution. C_fixed: C_hints trained with a zero-started scale, memory dropout 0.5 and the loss weighted
+# toward the slots the memory-off draft gets wrong. A train.py run resumes from its last
 # checkpoint and a finished one is skipped, so rerunning the script continues where it stopped.
 #   pip install -e '.[bench]' && bash lab/run_variants.sh
 #   SEEDS="0" VARIANTS="B C_hints" bash lab/run_variants.sh       # a subset
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SEEDS="${SEEDS:-0 1 2}"
-VARIANTS="${VARIANTS:-B C_paper C_agreed C_hints C_fixed}"
+VARIANTS="${VARIANTS:-B C_paper C_agreed C_hints C_mix C_fixed}"
 RUNS=lab/work/variants
 
 train() {  # train OUT CONFIG [--set KEY=VALUE ...]
@@ -37,6 +38,8 @@ for s in $SEEDS; do
       C_paper) train $RUNS/C_paper_s$s lab/configs/C.yaml --set train.seed=$s --set retrace.slots=all ;;
       C_agreed) train $RUNS/C_agreed_s$s lab/configs/C.yaml --set train.seed=$s ;;
       C_hints) train $RUNS/C_hints_s$s lab/configs/C.yaml --set train.seed=$s "${HINTS[@]}" ;;
+      C_mix) train $RUNS/C_mix_s$s lab/configs/C.yaml --set train.seed=$s --set retrace.slots=all \
+               --set retrace.mixture=target ;;
       C_fixed) train $RUNS/C_fixed_s$s lab/configs/C.yaml --set train.seed=$s "${FIXED[@]}" ;;
       *) echo "unknown variant $v" >&2; exit 2 ;;
     esac

@@ -34,9 +34,16 @@ from retrace_jax.decoding.verify import (
     rejection_sample,
     target_sample_match,
 )
-from retrace_jax.models.draft_vocab import DraftHead, draft_head, head_logits, to_full_vocab, to_target_ids
+from retrace_jax.models.draft_vocab import (
+    DraftHead,
+    draft_head,
+    head_logits,
+    to_draft_index,
+    to_full_vocab,
+    to_target_ids,
+)
 from retrace_jax.models.kv_cache import KVCache
-from retrace_jax.models.retrace import Memory, shift_memory, token_hints
+from retrace_jax.models.retrace import Memory, shift_memory, stale_top_k, token_hints
 from retrace_jax.models.target import prefill
 
 
@@ -156,7 +163,8 @@ def speculative_init(models, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids
         target_width = (drafter.cfg.num_features * target.cfg.hidden_size if drafter.cfg.retrace.fusion == "keys"
                         else target.cfg.hidden_size)  # the target's features, or its final-norm states
         memory = Memory.empty(batch, block_size, drafter.cfg.hidden_size, target_width, drafter.dtype,
-                              hints=drafter.cfg.retrace.hints == "tokens")
+                              hints=drafter.cfg.retrace.hints == "tokens",
+                              mixture=drafter.cfg.retrace.mixture == "target")
     carry = SpecCarry(
         target_cache=target_cache,
         draft_cache=draft_cache,
@@ -183,6 +191,8 @@ def speculative_round(models, consts: RoundConstants, c: SpecCarry) -> tuple[Spe
     # CPU backend multiplies 7 rows by the head more slowly than 8, and 15 about as fast as 16
     # (benchmarks/lm_head.py --rows 7,8,15,16); on accelerators the extra row costs next to nothing.
     draft_logits = head_logits(target, head, draft_hidden)[:, 1:]  # [B, J, U] ([B, J, V] without a draft vocab)
+    if c.memory is not None and drafter.cfg.retrace.mixture == "target":  # q mixes in the stale target
+        draft_logits = drafter.retrace.mix(draft_logits, draft_hidden[:, 1:], c.memory, closed_is_dflash=True)
     keys = step_keys(consts.keys_b, c.rounds_b + 1)
     proposals = make_proposals(keys, draft_logits, consts.sampling, mode, head)
     block = jnp.concatenate([c.anchor_b[:, None], proposals], axis=1)
@@ -203,7 +213,10 @@ def speculative_round(models, consts: RoundConstants, c: SpecCarry) -> tuple[Spe
             agreed = proposals == own if rc.slots == "agreed" else None
             hint = token_hints(target.embed, own, proposals, drafter.dtype) if rc.hints == "tokens" else None
         scored = out.features if rc.fusion == "keys" else out.hidden  # [B, W, F] or [B, W, d]
-        memory = shift_memory(draft_hidden, scored.astype(drafter.dtype), a, agreed, hint)
+        mix = None
+        if rc.mixture == "target":
+            mix = stale_top_k(target_logits, lambda ids: to_draft_index(head, ids, target.cfg.vocab_size))
+        memory = shift_memory(draft_hidden, scored.astype(drafter.dtype), a, agreed, hint, mix)
     rows = jnp.arange(batch)
     accept = c.accept_br.at[rows, jnp.where(active, c.rounds_b, capacity)].set(a + 1, mode="drop")
     carry = SpecCarry(

@@ -107,14 +107,19 @@ def drafter_specs(cfg: DrafterConfig) -> list[WeightSpec]:
 
 def retrace_specs(cfg: ReTraceConfig) -> list[WeightSpec]:
     """``retrace.{correct,value,gate}.weight`` (and ``hint``, ``hint_gate`` with ``hints="tokens"``), or
-    ``.down.weight`` / ``.up.weight`` pairs with a rank, and ``retrace.scale`` with ``zero_start="scale"``
-    (none for the "keys" fusion, which has no parameters of its own)."""
+    ``.down.weight`` / ``.up.weight`` pairs with a rank, ``retrace.scale`` with ``zero_start="scale"`` and
+    ``retrace.mix_gate.{weight,bias}``, ``retrace.mix_scale`` with ``mixture="target"`` (none for the "keys"
+    fusion, which has no parameters of its own)."""
     if cfg.fusion == "keys":
         return []
     names = ("correct", "value", "gate") if cfg.gate else ("correct", "value")
     if cfg.hints == "tokens":
         names += ("hint", "hint_gate")
     scale = [WeightSpec("retrace.scale", ("retrace", "scale"))] if cfg.zero_start == "scale" else []
+    if cfg.mixture == "target":
+        scale += [WeightSpec("retrace.mix_gate.weight", ("retrace", "mix_gate", "kernel"), True),
+                  WeightSpec("retrace.mix_gate.bias", ("retrace", "mix_gate", "bias")),
+                  WeightSpec("retrace.mix_scale", ("retrace", "mix_scale"))]
     if cfg.rank is None:
         return [WeightSpec(f"retrace.{n}.weight", ("retrace", n, "full", "kernel"), True) for n in names] + scale
     return [WeightSpec(f"retrace.{n}.{f}.weight", ("retrace", n, f, "kernel"), True)

@@ -34,7 +34,7 @@ from pydantic import (
 
 from retrace_jax.errors import ConfigError
 from retrace_jax.models.drafter import BlockSize
-from retrace_jax.models.retrace import Fusion, Hints, Signals, Slots, ZeroStart
+from retrace_jax.models.retrace import Fusion, Hints, Mixture, Signals, Slots, ZeroStart
 from retrace_jax.parallel.sharding import parse_mesh_spec
 from retrace_jax.training.retrace_loss import CORRECTION_SOURCES
 from retrace_jax.training.step import OBJECTIVES
@@ -182,6 +182,10 @@ class RetraceSection(Section):
     hints: Hints = doc("what else the memory carries: none (the paper's design) or tokens: at each kept slot the "
                        "target's own token from the verify pass and the drafter's rejected proposal, embedded, "
                        "projected and gated into the next block's input (docs/retrace.md, \"Token hints\")", "none")
+    mixture: Mixture = doc("whether the proposals mix in the target's stale distribution: none (the paper's design) "
+                           "or target: at each kept slot q = (1 - g) p + g p_target, p_target the target's top-8 "
+                           "tokens from the verify pass, under a learned gate that starts closed (docs/retrace.md, "
+                           "\"Output mixture\")", "none")
     zero_start: ZeroStart = doc("which parameter starts at zero so that a new module drafts as DFlash: value (W_v, "
                                 "the paper's) or scale (a learned scalar on the fused residual; W_v starts small "
                                 "and random)", "value")

@@ -163,11 +163,14 @@ def block_loss(logits_bawv, blocks: BlockBatch) -> LossMetrics:
     return slot_loss(logits_bawv[:, :, 1:], blocks.labels_baw[:, :, 1:], blocks.weights_baw[:, :, 1:])
 
 
-def score_blocks(target: TargetModel, head: DraftHead | None, hidden_bawd, blocks: BlockBatch):
+def score_blocks(target: TargetModel, head: DraftHead | None, hidden_bawd, blocks: BlockBatch, mix=None):
     """The loss metrics of drafted blocks and their proposals ``[B, A, J]`` (the argmax of each slot, as
     target token ids). The LM head runs on the drafted slots only, over the draft vocabulary of ``head``
-    (:func:`~retrace_jax.models.draft_vocab.draft_head`; None: the whole vocabulary)."""
+    (:func:`~retrace_jax.models.draft_vocab.draft_head`; None: the whole vocabulary). ``mix(logits,
+    hidden)`` (ReTrace's output mixture) turns the slots' logits into the log-probabilities they draft from."""
     logits = batch_sharded(head_logits(target, head, hidden_bawd[:, :, 1:]))
+    if mix is not None:
+        logits = batch_sharded(mix(logits, hidden_bawd[:, :, 1:]))
     labels = to_draft_index(head, blocks.labels_baw[:, :, 1:], target.cfg.vocab_size)
     metrics = slot_loss(logits, labels, blocks.weights_baw[:, :, 1:])
     return metrics, to_target_ids(head, jnp.argmax(logits, -1).astype(jnp.int32))

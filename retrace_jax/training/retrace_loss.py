@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from retrace_jax.decoding.verify import accepted_count
-from retrace_jax.models.draft_vocab import draft_head
+from retrace_jax.models.draft_vocab import draft_head, to_draft_index
 from retrace_jax.models.drafter import DFlashDrafter
-from retrace_jax.models.retrace import Memory, shift_memory, token_hints
+from retrace_jax.models.retrace import Memory, shift_memory, stale_top_k, token_hints
 from retrace_jax.models.target import TargetModel, forward_beside_context
 from retrace_jax.training.dflash_loss import (
     LossMetrics,
@@ -152,7 +152,13 @@ def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss
             scale = jnp.concatenate([jnp.ones_like(anchors, jnp.float32)[..., None], 1.0 + mt.miss_weight * missed], -1)
             blocks = blocks._replace(weights_baw=blocks.weights_baw * scale)
         hidden = draft_blocks(drafter, target, ctx_kv, blocks, memory, beta, remat=remat)
-        m, proposals = score_blocks(target, head, hidden, blocks)  # proposals [B, A, J]
+        mix = None
+        if memory is not None and cfg.retrace.mixture == "target":  # the proposals mix in the stale target
+            def mix(logits, slots, memory=memory):
+                per_block = lambda x: x.reshape((b * a_count, -1) + x.shape[3:])  # noqa: E731
+                mem = jax.tree.map(lambda x: x.reshape((b * a_count, k) + x.shape[2:]), memory)
+                return drafter.retrace.mix(per_block(logits), per_block(slots), mem).reshape(logits.shape)
+        m, proposals = score_blocks(target, head, hidden, blocks, mix)  # proposals [B, A, J]
         metrics.append(m)
         # A proposal is accepted when it equals the sequence token, as long as that token is a real label.
         labelled = blocks.weights_baw[:, :, 1:] > 0
@@ -177,20 +183,29 @@ def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss
             target_states = jnp.take_along_axis(seq.hidden, idx[..., None], axis=1).reshape(b, a_count, k, -1)
             scored = (jnp.take_along_axis(seq.features, idx[..., None], axis=1).reshape(b, a_count, k, -1)
                       if keys_fusion else target_states)
-        agreed = hint = None
+        agreed = hint = mix_bwk = None
         rc = cfg.retrace
+        target_logits = None
+        if rc is not None and rc.mixture == "target":  # the target's stale distribution of every verify slot
+            target_logits = target.logits(target_states)  # [B, A, W, V]
+            ids, p = stale_top_k(target_logits, lambda i: to_draft_index(head, i, target.cfg.vocab_size))
+            mix_bwk = (ids.reshape(b * a_count, k, -1), p.reshape(b * a_count, k, -1))
         if rc is not None and (rc.slots == "agreed" or rc.hints == "tokens"):
             # the target's own tokens where its states scored the proposals: the argmax of the verify pass, or
             # with teacher states the sequence itself
-            own = (jnp.argmax(target.logits(target_states[:, :, :-1]), -1).astype(jnp.int32)
-                   if correction_source == "verify" else blocks.labels_baw[:, :, 1:])
+            if correction_source == "verify":
+                scores = target_logits[:, :, :-1] if target_logits is not None else target.logits(
+                    target_states[:, :, :-1])
+                own = jnp.argmax(scores, -1).astype(jnp.int32)
+            else:
+                own = blocks.labels_baw[:, :, 1:]
             if rc.slots == "agreed":
                 agreed = (proposals == own).reshape(b * a_count, k - 1)
             if rc.hints == "tokens":
                 hint = token_hints(target.embed, own, proposals, hidden.dtype).reshape(b * a_count, k - 1, -1)
         memory = shift_memory(hidden.reshape(b * a_count, k, -1),
                               scored.reshape(b * a_count, k, -1).astype(hidden.dtype), accepted.reshape(-1),
-                              agreed, hint)
+                              agreed, hint, mix_bwk)
         memory = jax.tree.map(lambda x: x.reshape((b, a_count * k) + x.shape[2:]), memory)
         if memory_dtype is not None:  # stored in memory_dtype, used in the compute dtype
             rounded = lambda x: None if x is None else x.astype(memory_dtype).astype(x.dtype)  # noqa: E731

@@ -72,10 +72,13 @@ def test_stops_and_limits_inside_a_block(target):
 
 
 @pytest.mark.parametrize("slots,fusion,hints", [("all", "embedding", "none"), ("agreed", "embedding", "none"),
-                                                ("all", "keys", "none"), ("agreed", "embedding", "tokens")])
+                                                ("all", "keys", "none"), ("agreed", "embedding", "tokens"),
+                                                ("all", "embedding", "mixture")])
 def test_a_retrace_drafter_with_its_memory_on_and_off(target, slots, fusion, hints):
+    mixture = "target" if hints == "mixture" else "none"
+    hints = "none" if hints == "mixture" else hints
     oracle = Oracle.build(target, PROMPTS, NEW, BLOCK,
-                          retrace=rj.ReTraceConfig(slots=slots, fusion=fusion, hints=hints))
+                          retrace=rj.ReTraceConfig(slots=slots, fusion=fusion, hints=hints, mixture=mixture))
     for use_retrace in (True, False):
         check(rj.generate(target, PROMPTS, NEW, drafter=oracle.drafter, use_retrace=use_retrace), oracle)
 

@@ -144,10 +144,48 @@ def test_a_zero_scale_start_is_exactly_dflash_and_its_gradient_reaches_the_corre
     assert np.any(flat[("scale",)])
 
 
-@pytest.mark.parametrize("cfg", [rj.ReTraceConfig(), rj.ReTraceConfig(hints="tokens")])
+def test_the_output_mixture_starts_closed_and_its_gate_learns(qwen3, trained_drafter, dflash_dir):
+    """``mixture="target"``: a new module (scale 0) drafts exactly as DFlash; in training the scale's
+    gradient is finite and not zero at the start, also where the drafter's probabilities underflow; an
+    open gate moves q toward the stale target tokens (q stays a distribution)."""
+    dflash, prompts = trained_drafter
+    drafter = rj.load_drafter(dflash_dir, qwen3, retrace=rj.ReTraceConfig(mixture="target"))
+    assert not np.any(np.asarray(drafter.retrace.mix_scale[...]))
+    assert rj.generate(qwen3, prompts[:6], 32, drafter=drafter) == rj.generate(qwen3, prompts[:6], 32, drafter=dflash)
+    rng = np.random.RandomState(0)
+    b, w, d, v = 2, 4, drafter.cfg.hidden_size, 16
+    ids = jnp.asarray(rng.randint(-1, v, (b, w, 8)), jnp.int32)
+    p = jnp.where(ids >= 0, jnp.asarray(rng.rand(b, w, 8), jnp.float32), 0.0)
+    memory = Memory(jnp.zeros((b, w, d)), jnp.zeros((b, w, d)), jnp.asarray([[False, True, True, True]] * b),
+                    mix_ids=ids, mix_p=p / p.sum(-1, keepdims=True))
+    logits = jnp.asarray(rng.randn(b, w - 1, v) * 40.0, jnp.float32)  # some probabilities underflow to 0
+    hidden = jnp.asarray(rng.randn(b, w - 1, d), jnp.float32)
+    labels = jnp.asarray(rng.randint(0, v, (b, w - 1)))
+    graphdef, state = nnx.split(drafter.retrace)
+
+    def loss(st):
+        q = nnx.merge(graphdef, st).mix(logits, hidden, memory)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(q, -1), labels[..., None], -1))
+
+    grads = {p_: np.asarray(x.get_value()) for p_, x in nnx.to_flat_state(jax.grad(loss)(state))}
+    assert all(np.isfinite(g).all() for g in grads.values()) and np.any(grads[("mix_scale",)])
+    drafter.retrace.mix_scale[...] = jnp.ones((1,))
+    q = np.exp(np.asarray(drafter.retrace.mix(logits, hidden, memory), np.float64))
+    np.testing.assert_allclose(q.sum(-1), 1.0, rtol=1e-4)
+    top = np.asarray(ids)[:, 1:][np.asarray(p)[:, 1:] > 0]
+    base = np.exp(np.asarray(jax.nn.log_softmax(logits), np.float64))
+    stale_mass = lambda dist: sum(dist[i, j][np.asarray(ids)[i, j + 1][np.asarray(p)[i, j + 1] > 0]].sum()  # noqa
+                                  for i in range(b) for j in range(w - 1))
+    assert len(top) and stale_mass(q) > stale_mass(base)
+
+
+@pytest.mark.parametrize("cfg", [rj.ReTraceConfig(), rj.ReTraceConfig(hints="tokens"),
+                                 rj.ReTraceConfig(mixture="target")])
 def test_random_retrace_weights_stay_lossless_and_change_the_traces(qwen3, trained_drafter, dflash_dir, cfg):
     dflash, prompts = trained_drafter
     retrace = with_random_retrace(rj.load_drafter(dflash_dir, qwen3, retrace=cfg))
+    if cfg.mixture == "target":
+        retrace.retrace.mix_scale[...] = jnp.full((1,), 0.6)  # open (a random scale may be negative: closed)
     plain = rj.generate(qwen3, prompts[:8], 32)
     dfl = rj.generate(qwen3, prompts[:8], 32, drafter=dflash)
     ret = rj.generate(qwen3, prompts[:8], 32, drafter=retrace)
@@ -169,7 +207,8 @@ def test_batched_retrace_rows_equal_rows_alone(qwen3, dflash_dir, trained_drafte
 
 @pytest.mark.parametrize("cfg", [rj.ReTraceConfig(), rj.ReTraceConfig(signals="drafter", rank=4, gate=False, slots="agreed"),
                                  rj.ReTraceConfig(fusion="keys"), rj.ReTraceConfig(hints="tokens"),
-                                 rj.ReTraceConfig(rank=4, hints="tokens"), rj.ReTraceConfig(zero_start="scale")])
+                                 rj.ReTraceConfig(rank=4, hints="tokens"), rj.ReTraceConfig(zero_start="scale"),
+                                 rj.ReTraceConfig(mixture="target")])
 def test_retrace_checkpoint_round_trip(qwen3, dflash_dir, tmp_path, cfg):
     base = rj.load_drafter(dflash_dir, qwen3)
     import dataclasses
@@ -179,6 +218,7 @@ def test_retrace_checkpoint_round_trip(qwen3, dflash_dir, tmp_path, cfg):
     with open(tmp_path / "config.json") as f:
         hints = {} if cfg.hints == "none" else {"hints": cfg.hints}  # written only when used, as zero_start
         hints.update({} if cfg.zero_start == "value" else {"zero_start": cfg.zero_start})
+        hints.update({} if cfg.mixture == "none" else {"mixture": cfg.mixture})
         assert json.load(f)["retrace_config"] == {"enabled": True, "signals": cfg.signals, "rank": cfg.rank,
                                                   "gate": cfg.gate, "slots": cfg.slots, "fusion": cfg.fusion,
                                                   **hints}

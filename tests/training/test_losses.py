@@ -15,7 +15,7 @@ from retrace_jax.decoding.generation import _pad_stops
 from retrace_jax.decoding.sampling import SamplingParams
 from retrace_jax.decoding.speculative import SpeculativeStepper, draft_block
 from retrace_jax.decoding.verify import accepted_count
-from retrace_jax.models.retrace import shift_memory, token_hints
+from retrace_jax.models.retrace import shift_memory, stale_top_k, token_hints
 from retrace_jax.training.dflash_loss import (
     block_loss,
     build_blocks,
@@ -124,6 +124,12 @@ def rollout_case_hints(qwen3, trained_drafter):
     return _rollout_case(qwen3, trained_drafter, rj.ReTraceConfig(hints="tokens"))
 
 
+@pytest.fixture(scope="module")
+def rollout_case_mixture(qwen3, trained_drafter):
+    """The same with ``mixture="target"``: the proposals mix in the target's stale top-K distribution."""
+    return _rollout_case(qwen3, trained_drafter, rj.ReTraceConfig(mixture="target"))
+
+
 def _rollout_case(qwen3, trained_drafter, retrace: rj.ReTraceConfig):
     dflash, prompts = trained_drafter
     cfg = dataclasses.replace(dflash.cfg, retrace=retrace)
@@ -132,6 +138,8 @@ def _rollout_case(qwen3, trained_drafter, retrace: rj.ReTraceConfig):
     for path, var in nnx.to_flat_state(nnx.state(dflash)):
         flat[path].set_value(var.get_value())
     drafter = with_random_retrace(nnx.merge(graphdef, nnx.from_flat_state(flat)), seed=3, scale=0.2)
+    if retrace.mixture == "target":  # an open gate (a random scale may be negative: closed)
+        drafter.retrace.mix_scale[...] = jnp.full((1,), 0.6)
     prompt = prompts[0]
     response = rj.generate(qwen3, [prompt], 48).tokens[0]  # the target's own greedy text
     seq = np.asarray(prompt + response, np.int32)[None]
@@ -190,7 +198,7 @@ def test_two_rounds_compute_the_two_round_rollout(qwen3, rollout_case, source):
     ("rollout_case", "verify", 2), ("rollout_case", "verify", 4), ("rollout_case", "teacher", 2),
     ("rollout_case", "teacher", 4), ("rollout_case_agreed", "verify", 4), ("rollout_case_agreed", "teacher", 4),
     ("rollout_case_keys", "verify", 4), ("rollout_case_keys", "teacher", 4), ("rollout_case_hints", "verify", 4),
-    ("rollout_case_hints", "teacher", 4)])
+    ("rollout_case_hints", "teacher", 4), ("rollout_case_mixture", "verify", 4), ("rollout_case_mixture", "teacher", 4)])
 def test_rollout_equals_inference_rounds(qwen3, request, case, source, rounds):
     """The training rollout against ``rounds`` real inference rounds (``speculative_round`` through the
     stepper), every anchor a row whose prompt is the sequence up to it: the anchors, ``a``, the drafter's
@@ -240,6 +248,10 @@ def test_rollout_equals_inference_rounds(qwen3, request, case, source, rounds):
                 if case == "rollout_case_hints":
                     hint = token_hints(qwen3.embed, jnp.asarray(seq[0][at]), info.proposals_bj, jnp.float32)
                     memory = memory.replace(hint=shift_memory(teacher, teacher, info.accepted_b, None, hint).hint)
+                if case == "rollout_case_mixture":  # the stale distribution of the teacher-forced states
+                    mix = stale_top_k(qwen3.logits(teacher), lambda ids: ids)
+                    shifted = shift_memory(teacher, teacher, info.accepted_b, None, None, mix)
+                    memory = memory.replace(mix_ids=shifted.mix_ids, mix_p=shifted.mix_p)
                 stepper.carry = stepper.carry.replace(memory=memory)
             got = roll.memories[r]
             for i in np.flatnonzero(inside & (start + a + 1 < s_len)):  # the next round is valid
@@ -255,6 +267,12 @@ def test_rollout_equals_inference_rounds(qwen3, request, case, source, rounds):
                 assert (got.hint is None) == (memory.hint is None) == (case != "rollout_case_hints")
                 if memory.hint is not None:
                     np.testing.assert_array_equal(np.asarray(got.hint[0, sl(i)])[v], np.asarray(memory.hint[i])[v])
+                assert (got.mix_ids is None) == (memory.mix_ids is None) == (case != "rollout_case_mixture")
+                if memory.mix_ids is not None:
+                    np.testing.assert_array_equal(np.asarray(got.mix_ids[0, sl(i)])[v],
+                                                  np.asarray(memory.mix_ids[i])[v])
+                    np.testing.assert_allclose(np.asarray(got.mix_p[0, sl(i)])[v], np.asarray(memory.mix_p[i])[v],
+                                               atol=2e-5)
     assert len(counts) > 1  # several acceptance counts were exercised
     # The agreement rule dropped slots, and kept some where it could (the tiny target's verify pass, after a
     # wrong token, rarely shares the drafter's later proposals; the sequence itself often does).

@@ -181,22 +181,24 @@ def test_retrace_with_the_keys_fusion_trains_the_drafter_itself(workspace, dflas
     assert rj.generate(target, prompts, 24, drafter=drafter).tokens == rj.generate(target, prompts, 24).tokens
 
 
-def test_retrace_with_token_hints_a_zero_scale_and_memory_training_options(workspace, dflash_run):
-    """``retrace.hints: tokens`` and ``retrace.zero_start: scale``, with ``train.memory_dropout`` and
-    ``train.miss_weight``: the hint projection W_h and the scale start at zero and learn; the exported
+def test_retrace_with_token_hints_a_zero_scale_a_mixture_and_memory_training_options(workspace, dflash_run):
+    """``retrace.hints: tokens``, ``retrace.zero_start: scale`` and ``retrace.mixture: target``, with
+    ``train.memory_dropout`` and ``train.miss_weight``: the hint projection W_h, the scale and the
+    mixture's scale start at zero and learn; the exported
     drafter says its design in config.json and decodes losslessly; the run's settings record the options."""
     root, config = workspace
     out = str(root / "retrace_hints")
     summary = train.main(["--config", config, "--set", f"out={out}", "--set", "train.objective=retrace",
                           "--set", f"drafter.init={dflash_run[0]}/drafter", "--set", "train.steps=4",
                           "--set", "retrace.hints=tokens", "--set", "retrace.zero_start=scale",
+                          "--set", "retrace.mixture=target",
                           "--set", "train.beta_warmup_steps=0", "--set", "train.memory_dropout=0.5",
                           "--set", "train.miss_weight=2.0"])
     target = rj.load_target(yaml.safe_load(open(config))["target"])
     drafter = rj.load_drafter(summary["drafter"], target)
-    assert drafter.cfg.retrace == rj.ReTraceConfig(hints="tokens", zero_start="scale")
+    assert drafter.cfg.retrace == rj.ReTraceConfig(hints="tokens", zero_start="scale", mixture="target")
     assert np.any(np.asarray(drafter.retrace.hint.full.kernel[...]))  # it learned past zero
-    assert np.any(np.asarray(drafter.retrace.scale[...]))
+    assert np.any(np.asarray(drafter.retrace.scale[...])) and np.any(np.asarray(drafter.retrace.mix_scale[...]))
     from retrace_jax.training.checkpoints import Checkpoints
 
     meta = Checkpoints(os.path.join(out, "checkpoints"), read_only=True).read_meta(4)
