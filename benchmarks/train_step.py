@@ -41,6 +41,9 @@ def main(argv=None):
     p.add_argument("--seq-len", type=int, default=224)
     p.add_argument("--anchors", type=int, default=16)
     p.add_argument("--feature-cache", action="store_true", help="features come with the batch (train.feature_cache)")
+    p.add_argument("--objective", default="dflash", choices=["dflash", "retrace"],
+                   help="retrace: the rollout of --rounds rounds with the verify signal (no feature cache)")
+    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -50,13 +53,16 @@ def main(argv=None):
     rng = np.random.RandomState(0)
     tokens = jnp.asarray(rng.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len)), jnp.int32)
     mask = jnp.asarray(np.arange(args.seq_len)[None].repeat(args.batch_size, 0) >= args.seq_len // 4, jnp.int32)
+    if args.objective == "retrace" and args.feature_cache:
+        p.error("--objective retrace runs the target on the batch: leave out --feature-cache")
+    retrace = rj.ReTraceConfig(slots="agreed") if args.objective == "retrace" else None
     base = rj.init_drafter(cfg, mask_token_id=cfg.vocab_size - 1, num_layers=args.layers, block_size=args.block_size,
-                           intermediate_size=args.intermediate_size)
+                           intermediate_size=args.intermediate_size, retrace=retrace)
     feats = ()
     if args.feature_cache:
         width = len(base.cfg.target_layer_ids) * cfg.hidden_size
         feats = (jnp.asarray(rng.randn(args.batch_size, args.seq_len, width), target.dtype),)
-    opts = StepOptions(objective="dflash", num_anchors=args.anchors)
+    opts = StepOptions(objective=args.objective, num_anchors=args.anchors, rounds=args.rounds)
     optimizer = adamw(1e-4, 1000)
     target_def, target_state = nnx.split(target)
     runs = {}
@@ -85,6 +91,7 @@ def main(argv=None):
               "intermediate_size": base.cfg.intermediate_size,
               "block_size": args.block_size, "batch_size": args.batch_size, "seq_len": args.seq_len,
               "anchors": args.anchors, "feature_cache": args.feature_cache, "repeats": args.repeats,
+              "objective": args.objective, "rounds": args.rounds if args.objective == "retrace" else None,
               "device": jax.devices()[0].platform}
     for size, r in runs.items():
         ms = 1e3 * float(np.median(r["times"]))
