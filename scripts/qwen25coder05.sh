@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The Qwen2.5-Coder-0.5B-Instruct pair of docs/results.md, stage by stage: the prompt sets, the DFlash
-# drafter (regeneration, the feature store, training, export) and its evaluation. Every stage is
+# drafter (regeneration, the feature store, training, export), its evaluation, then ReTrace against DFlash
+# fine-tuning on the pair (B, C). Every stage is
 # resumable: rerunning the same command skips what is finished and continues what was interrupted
 # (shards, features, checkpoints).
 #   pip install -e '.[assets]' && bash scripts/qwen25coder05.sh
@@ -44,3 +45,13 @@ python benchmarks/speculative_eval.py --target "$M" --drafter dflash=$SHIP \
     --spec-bench none --humaneval none --prompts "humaneval=$D/humaneval_raw.jsonl" \
     --prompts "heldout=$D/code_heldout.jsonl" --per-dataset 0 --max-prompt-len 512 --max-new-tokens 128 \
     --speed-prompts 8 --out runs/qwen25coder05_eval.json
+# ReTrace on the pair: A fine-tuned 300 more steps with the DFlash objective (B) and with the ReTrace
+# objective (C), then τ of B, C and C-off on both prompt sets with 95% bootstrap intervals over prompts
+python train.py --config configs/qwen25coder05_dflash_ft.yaml
+python train.py --config configs/qwen25coder05_retrace.yaml
+for set in humaneval=$D/humaneval_raw.jsonl heldout=$D/code_heldout.jsonl; do
+    python lab/evaluate.py --target "$M" --prompts "${set#*=}" --num-prompts 0 --max-prompt-len 512 \
+        --drafter B=runs/qwen25coder05_dflash_ft/drafter --drafter C=runs/qwen25coder05_retrace/drafter \
+        --compare C/B --compare C-off/B --compare C/C-off --temperatures 0 --batch-size 32 \
+        --out "runs/qwen25coder05_retrace_${set%%=*}.json"
+done
