@@ -10,10 +10,10 @@ kept for that slot. Before the first drafter layer each valid slot's mask embedd
 
 ``W_v`` starts at zero, so a new ReTrace module leaves DFlash unchanged. With ``hints="tokens"`` each valid
 slot also receives the target's verdict there as tokens: ``t_j``, the target's own (argmax) token at the
-verify slot that scored it, and ``r_j``, the drafter's rejected proposal, through the target's (frozen)
+verify slot that scored it, and ``x_j``, the drafter's rejected proposal, through the target's (frozen)
 input embedding ``E``:
 
-    h_j  = [E[t_j] ; E[r_j]]
+    h_j  = [E[t_j] ; E[x_j]]
     e'_j += valid_j * (W_h h_j) * sigmoid(W_hg h_j)
 
 ``W_h`` starts at zero too. With ``mixture="target"`` the drafter's distribution at each valid slot is
@@ -149,7 +149,9 @@ class Projection(nnx.Module):
 
 
 class ReTraceFusion(nnx.Module):
-    """The correction ``W_c``, value ``W_v`` and gate ``W_g`` of ReTrace."""
+    """The correction ``W_c``, value ``W_v`` and gate ``W_g`` of ReTrace, and the parameters of its
+    options: the scale of ``zero_start="scale"``, the hint projection and gate of ``hints="tokens"``, the
+    mixture gate and scale of ``mixture="target"``."""
 
     def __init__(self, cfg: ReTraceConfig, d_draft: int, d_target: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -160,10 +162,10 @@ class ReTraceFusion(nnx.Module):
             self.scale = nnx.Param(jnp.zeros((1,), dtype))
         if cfg.gate:
             self.gate = Projection(2 * d_draft, d_draft, cfg.rank, dtype, rngs)
-        if cfg.hints == "tokens":  # W_h (zero at the start) and its gate W_hg, both reading [E[t]; E[r]]
+        if cfg.hints == "tokens":  # W_h (zero at the start) and its gate W_hg, both reading [E[t]; E[x]]
             self.hint = Projection(2 * d_draft, d_draft, cfg.rank, dtype, rngs, zero=True)
             self.hint_gate = Projection(2 * d_draft, d_draft, cfg.rank, dtype, rngs)
-        if cfg.mixture == "target":  # g = alpha * sigmoid(w . h + b), alpha zero at the start
+        if cfg.mixture == "target":  # g = clip(alpha, 0, 1) * sigmoid(w . h + b), alpha zero at the start
             self.mix_gate = linear(d_draft, 1, True, dtype, rngs)
             self.mix_scale = nnx.Param(jnp.zeros((1,), dtype))
 
@@ -183,7 +185,6 @@ class ReTraceFusion(nnx.Module):
             hint = memory.hint.astype(emb_bwd.dtype)
             residual = residual + self.hint(hint) * jax.nn.sigmoid(self.hint_gate(hint))
         return emb_bwd + jnp.where(memory.valid[..., None], residual, 0).astype(emb_bwd.dtype)
-
 
     def mix(self, logits_bjv, hidden_bjd, memory: "Memory", closed_is_dflash: bool = False):
         """``mixture="target"``: the log-probabilities of ``q = (1 - g) p + g p^t`` at the valid slots of
@@ -225,7 +226,7 @@ class Memory:
     mem_t: jax.Array  # [B, W, d_target] the target's final-norm states that scored them; with fusion "keys"
     #                   [B, W, F], the target's features there (its layers that the drafter reads)
     valid: jax.Array  # [B, W] bool
-    hint: jax.Array | None = None  # [B, W, 2 d_draft] hints="tokens": [E[t]; E[r]] of each slot; else None
+    hint: jax.Array | None = None  # [B, W, 2 d_draft] hints="tokens": [E[t]; E[x]] of each slot; else None
     mix_ids: jax.Array | None = None  # [B, W, K] mixture="target": the target's top-K (draft indices, -1 outside)
     mix_p: jax.Array | None = None  # [B, W, K] their probabilities, renormalised over those inside
 
@@ -251,8 +252,8 @@ def stale_top_k(target_logits_bwv, to_index):
 
 
 def token_hints(embed, own_bj, proposals_bj, dtype):
-    """``[E[t]; E[r]]`` ``[B, W-1, 2d]`` of each proposal slot: the target's own token ``t`` at the verify slot
-    that scored proposal ``j`` and the proposal ``r`` itself, through the target's input embedding."""
+    """``[E[t]; E[x]]`` ``[B, W-1, 2d]`` of each proposal slot: the target's own token ``t`` at the verify slot
+    that scored proposal ``j`` and the proposal ``x`` itself, through the target's input embedding."""
     return jnp.concatenate([embed(own_bj), embed(proposals_bj)], -1).astype(dtype)
 
 
