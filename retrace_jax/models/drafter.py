@@ -415,7 +415,9 @@ def init_layers_from_target(drafter: DFlashDrafter, target, layer_ids) -> DFlash
     """A copy of the drafter whose decoder layer ``i`` starts from target layer ``layer_ids[i]``: every
     weight the two blocks share (attention projections, MLP, norms) is copied. What only the drafter
     has keeps its value: the q/k norms when the target has none (Llama, Qwen2), the feature projection
-    ``fc`` and the norms around it; target biases the drafter lacks are left out."""
+    ``fc`` and the norms around it; target biases the drafter lacks are left out. A drafter with a
+    narrower MLP (``intermediate_size``) takes the target MLP's first ``intermediate_size`` neurons (their
+    rows of the gate and up projections, their columns of the down projection)."""
     ids = [int(i) for i in layer_ids]
     if len(ids) != drafter.cfg.num_layers:
         raise ValueError(f"init_layers_from_target: {len(ids)} layer ids for a drafter of {drafter.cfg.num_layers} "
@@ -432,7 +434,11 @@ def init_layers_from_target(drafter: DFlashDrafter, target, layer_ids) -> DFlash
             if mine is None:
                 continue
             value = var.get_value()
-            if value.shape != mine.get_value().shape:
+            want = mine.get_value().shape
+            narrower = path[0] == "mlp" and len(want) == value.ndim and all(w <= v for w, v in zip(want, value.shape))
+            if value.shape != want and narrower:  # the first neurons of a wider MLP
+                value = value[tuple(slice(0, w) for w in want)]
+            if value.shape != want:
                 raise ValueError(f"init_layers_from_target: target layer {layer} {'.'.join(map(str, path))} has "
                                  f"shape {value.shape}, the drafter's {mine.get_value().shape}")
             mine.set_value(jnp.asarray(value, mine.get_value().dtype))

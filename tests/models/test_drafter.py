@@ -71,6 +71,25 @@ def test_layers_start_from_target_layers(target, drafter):
         init_layers_from_target(drafter, target, [0, 9])
 
 
+def test_a_narrower_mlp_starts_from_the_first_neurons_of_the_target_layer(target):
+    """``intermediate_size`` below the target's: the attention is copied whole, the MLP from the target's
+    first neurons (gate and up columns, down rows in the ``[in, out]`` layout); a wider MLP is refused."""
+    from retrace_jax.models.drafter import init_layers_from_target
+
+    width = target.cfg.intermediate_size // 2
+    narrow = rj.init_drafter(target.cfg, mask_token_id=127, num_layers=1, intermediate_size=width)
+    copied = init_layers_from_target(narrow, target, [1])
+    layer = target.layer_slices()[1]
+    np.testing.assert_array_equal(np.asarray(copied.layers[0].self_attn.q_proj.kernel[...]),
+                                  np.asarray(layer["self_attn"]["q_proj"]["kernel"].get_value()))
+    for name, cut in (("gate_proj", np.s_[:, :width]), ("up_proj", np.s_[:, :width]), ("down_proj", np.s_[:width])):
+        np.testing.assert_array_equal(np.asarray(getattr(copied.layers[0].mlp, name).kernel[...]),
+                                      np.asarray(layer["mlp"][name]["kernel"].get_value())[cut], err_msg=name)
+    wide = rj.init_drafter(target.cfg, mask_token_id=127, num_layers=1, intermediate_size=2 * target.cfg.intermediate_size)
+    with pytest.raises(ValueError, match="has shape"):
+        init_layers_from_target(wide, target, [1])
+
+
 def test_saved_in_bfloat16_loads_close(drafter, target, tmp_path):
     rj.save_drafter(drafter, str(tmp_path), dtype="bfloat16")
     assert json.load(open(tmp_path / "config.json"))["torch_dtype"] == "bfloat16"
