@@ -25,6 +25,13 @@ shows as such (issue: "ReTrace must never hurt").
   rounds there with the memory on and off. ``on / off`` is the ratio of those means, and its 95% interval
   is the percentile bootstrap over prompts (paired: one draw for both). The second table does the same
   by prompt length, over whole generations.
+- ``--against DIR``: another drafter of the same target (e.g. the DFlash drafter B that the ReTrace
+  drafter is compared with at equal budget), run on the same prompts; two more pairs of tables give the
+  ReTrace drafter with its memory on against it and with its memory off against it, so a loss that sits
+  in the ReTrace drafter's own DFlash weights shows by position as well:
+
+      python benchmarks/retrace_positions.py --drafter lab/drafters/C --against lab/drafters/B \
+          --prompt-lengths 64,192,320 --out lab/results/positions_C_against_B.json
 - Targets and drafters: a directory, or for ``--target`` a name of ``rj.assets.fetch`` (the registries),
   and for ``--drafter`` ``MODEL:VARIANT`` of ``rj.assets.shipped_drafter``.
 """
@@ -127,8 +134,9 @@ def load_pair(target_arg: str, drafter_arg: str):
     return target_dir, drafter_dir, target, drafter
 
 
-def print_table(title: str, rows: list[tuple[str, dict]]) -> None:
-    print(f"\n{title}\n| {'range':>11} | prompts | τ on | τ off | on / off | 95% interval |")
+def print_table(title: str, rows: list[tuple[str, dict]], names=("on", "off")) -> None:
+    a, b = names
+    print(f"\n{title}\n| {'range':>11} | prompts | τ {a} | τ {b} | {a} / {b} | 95% interval |")
     print("|---|---|---|---|---|---|")
     for name, r in rows:
         if r["prompts"]:
@@ -147,6 +155,7 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--bin-width", type=int, default=128, help="width of the position ranges")
     p.add_argument("--batch-size", type=int, default=40)
+    p.add_argument("--against", default=None, help="another drafter (a directory) to compare with, by position")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.prompt_lengths.split(",")]
@@ -161,45 +170,51 @@ def main(argv=None):
     else:
         sets = {0: chat_prompts(tokenizer, args.num_prompts)}
 
+    methods = {"on": (drafter, True), "off": (drafter, False)}
+    if args.against:
+        methods["against"] = (rj.load_drafter(args.against, target), False)
     runs = {}
     for length, prompts in sets.items():
         out = {}
-        for on in (True, False):
+        for name, (model, on) in methods.items():
             start = time.perf_counter()
             tokens, acceptance = [], []
             for i in range(0, len(prompts), args.batch_size):
-                res = rj.generate(target, prompts[i: i + args.batch_size], args.new_tokens, drafter=drafter,
+                res = rj.generate(target, prompts[i: i + args.batch_size], args.new_tokens, drafter=model,
                                   use_retrace=on)
                 tokens += res.tokens
                 acceptance += res.acceptance_lengths
-            out[on] = (tokens, acceptance)
-            print(f"prompt length {length or 'as is'}, memory {'on' if on else 'off'}: τ "
-                  f"{np.mean([np.mean(a) for a in acceptance]):.2f} ({time.perf_counter() - start:.0f} s)",
-                  flush=True)
-        if out[True][0] != out[False][0]:
-            raise SystemExit(f"prompt length {length}: memory on and off gave different tokens (not lossless)")
-        runs[length] = {"prompt_lens": [len(x) for x in prompts], "on": out[True][1], "off": out[False][1]}
+            out[name] = (tokens, acceptance)
+            what = {"on": "memory on", "off": "memory off", "against": args.against}[name]
+            print(f"prompt length {length or 'as is'}, {what}: τ {np.mean([np.mean(a) for a in acceptance]):.2f} "
+                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+        if any(out[name][0] != out["on"][0] for name in out):
+            raise SystemExit(f"prompt length {length}: the methods gave different tokens (not lossless)")
+        runs[length] = {"prompt_lens": [len(x) for x in prompts], **{name: out[name][1] for name in out}}
 
     top = max(max(r["prompt_lens"]) for r in runs.values()) + args.new_tokens
     edges = np.arange(0, top + args.bin_width, args.bin_width)
-    on_bins = np.concatenate([binned_tau(r["prompt_lens"], r["on"], edges) for r in runs.values()])
-    off_bins = np.concatenate([binned_tau(r["prompt_lens"], r["off"], edges) for r in runs.values()])
-    # A prompt of each length is its own sample (the files repeat across lengths, the positions do not).
-    by_position = [(f"{lo}-{hi - 1}", paired_ratio(on_bins[:, k], off_bins[:, k]))
-                   for k, (lo, hi) in enumerate(zip(edges[:-1], edges[1:]))]
-    by_length = [(str(length or "as is"),
-                  paired_ratio(np.array([np.mean(a) for a in r["on"]]), np.array([np.mean(a) for a in r["off"]])))
-                 for length, r in runs.items()]
+    bins = {name: np.concatenate([binned_tau(r["prompt_lens"], r[name], edges) for r in runs.values()])
+            for name in methods}
+    means = {name: {length: np.array([np.mean(a) for a in r[name]]) for length, r in runs.items()} for name in methods}
+    pairs = [("on", "off")] + ([("on", "against"), ("off", "against")] if args.against else [])
     print(f"\n{drafter_dir} on {target_dir}: {args.prompts} prompts, {args.num_prompts} per length, "
-          f"{args.new_tokens} new tokens, greedy; memory on and off lossless")
-    print_table("By position of the round (its block's first position)", by_position)
-    print_table("By prompt length (whole generations)", by_length)
+          f"{args.new_tokens} new tokens, greedy; every method lossless")
+    result = {"target": target_dir, "drafter": drafter_dir, "args": vars(args)}
+    for a, b in pairs:
+        # A prompt of each length is its own sample (the files repeat across lengths, the positions do not).
+        by_position = [(f"{lo}-{hi - 1}", paired_ratio(bins[a][:, k], bins[b][:, k]))
+                       for k, (lo, hi) in enumerate(zip(edges[:-1], edges[1:]))]
+        by_length = [(str(length or "as is"), paired_ratio(means[a][length], means[b][length])) for length in runs]
+        names = (a, "B" if b == "against" else b)
+        print_table(f"{a} / {names[1]}, by position of the round (its block's first position)", by_position, names)
+        print_table(f"{a} / {names[1]}, by prompt length (whole generations)", by_length, names)
+        key = "" if (a, b) == ("on", "off") else f"_{a}_against"
+        result[f"by_position{key}"], result[f"by_length{key}"] = dict(by_position), dict(by_length)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"target": target_dir, "drafter": drafter_dir, "args": vars(args),
-                       "by_position": dict(by_position), "by_length": dict(by_length),
-                       "runs": {str(k): v for k, v in runs.items()}}, f)
+            json.dump({**result, "runs": {str(k): v for k, v in runs.items()}}, f)
         print(f"wrote {args.out}")
 
 
