@@ -210,6 +210,10 @@ def main(argv=None):
         print_table(f"{a} / {names[1]}, by position of the round (its block's first position)", by_position, names)
         print_table(f"{a} / {names[1]}, by prompt length (whole generations)", by_length, names)
         key = "" if (a, b) == ("on", "off") else f"_{a}_against"
+        if key:  # tau_on, tau_off of paired_ratio are then this method's and the other drafter's
+            rename = {"tau_on": f"tau_{a}", "tau_off": "tau_against"}
+            by_position, by_length = ([(n, {rename.get(k, k): v for k, v in r.items()}) for n, r in rows]
+                                      for rows in (by_position, by_length))
         result[f"by_position{key}"], result[f"by_length{key}"] = dict(by_position), dict(by_length)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
