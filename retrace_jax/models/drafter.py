@@ -348,7 +348,7 @@ def with_memory(k_btkd, v_btkd, memory_kv, layer: int):
 
 def drafter_config(target_cfg, *, mask_token_id: int, num_layers: int = 1, block_size: int = 16,
                    target_layer_ids=None, intermediate_size=None, retrace: ReTraceConfig | None = None,
-                   draft_vocab_size: int | None = None) -> DrafterConfig:
+                   draft_vocab_size: int | None = None, attention_bias: bool = False) -> DrafterConfig:
     """The config of a new drafter for ``target_cfg`` (see :func:`init_drafter`): checked, with nothing
     allocated, so a training run can refuse a bad one before it does any work."""
     return DrafterConfig(
@@ -368,17 +368,20 @@ def drafter_config(target_cfg, *, mask_token_id: int, num_layers: int = 1, block
         vocab_size=target_cfg.vocab_size,
         retrace=retrace,
         draft_vocab_size=draft_vocab_size,
+        attention_bias=attention_bias,
     )
 
 
 def init_drafter(target_cfg, *, mask_token_id: int, num_layers: int = 1, block_size: int = 16,
                  target_layer_ids=None, intermediate_size=None, retrace: ReTraceConfig | None = None,
-                 dtype=jnp.float32, seed: int = 0, draft_vocab=None) -> DFlashDrafter:
+                 dtype=jnp.float32, seed: int = 0, draft_vocab=None, attention_bias: bool = False) -> DFlashDrafter:
     """A randomly initialised drafter shaped for ``target_cfg`` (a :class:`~retrace_jax.ModelConfig`):
     the target's width, heads and RoPE; features from ``target_layer_ids`` (official default if None).
     With ``retrace`` it is a ReTrace drafter whose fusion starts at zero (exactly DFlash). ``draft_vocab``
     (ascending token ids, e.g. from :func:`~retrace_jax.models.draft_vocab.frequent_tokens`) limits its
-    proposals to those tokens; None: the whole vocabulary."""
+    proposals to those tokens; None: the whole vocabulary. ``attention_bias``: biases on the attention
+    projections (q, k, v and o, as the official layout's ``attention_bias`` means), e.g. to keep those of a
+    Qwen2 target's layers copied by :func:`init_layers_from_target`."""
     for name, value, low in (("num_layers", num_layers, 1), ("block_size", block_size, 2)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
             raise ValueError(f"init_drafter: {name} must be an integer >= {low}, got {value!r}")
@@ -388,7 +391,7 @@ def init_drafter(target_cfg, *, mask_token_id: int, num_layers: int = 1, block_s
     ids = None if draft_vocab is None else check_ids(draft_vocab, target_cfg.vocab_size, "init_drafter: draft_vocab")
     cfg = drafter_config(target_cfg, mask_token_id=mask_token_id, num_layers=num_layers, block_size=block_size,
                          target_layer_ids=target_layer_ids, intermediate_size=intermediate_size, retrace=retrace,
-                         draft_vocab_size=None if ids is None else len(ids))
+                         draft_vocab_size=None if ids is None else len(ids), attention_bias=bool(attention_bias))
     drafter = DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
     if ids is not None:
         drafter.draft_vocab.set_value(jnp.asarray(ids))

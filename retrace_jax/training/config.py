@@ -159,6 +159,8 @@ class DrafterSection(Section):
     target_layer_ids: LayerList | None = doc("target layers whose features the drafter reads; null: the official "
                                              "default")
     intermediate_size: PositiveInt | None = doc("MLP width of a new drafter; null: the target's")
+    attention_bias: Bool | None = doc("biases on a new drafter's attention projections (q, k, v, o), e.g. to keep "
+                                      "those of a Qwen2 target's layers that init_layers copies; null: none")
     init_layers: LayerList | None = doc("target layers whose weights start a new drafter's layers, one per layer "
                                         "(e.g. the last ones); null: random")
     draft_vocab: PositiveInt | None = doc(

@@ -67,6 +67,7 @@ def build_drafter(cfg, target, mesh, data: SequenceData | None = None, log=None)
         mask_id = dc.mask_token_id if dc.mask_token_id is not None else target.cfg.vocab_size - 1
         drafter = init_drafter(target.cfg, mask_token_id=mask_id, num_layers=dc.num_layers, block_size=dc.block_size,
                                target_layer_ids=dc.target_layer_ids, intermediate_size=dc.intermediate_size,
+                               attention_bias=bool(dc.attention_bias),
                                retrace=retrace, seed=t.seed)
         check_drafter_matches(drafter.cfg, target.cfg)
         if dc.init_layers is not None:
@@ -141,6 +142,7 @@ def run_settings(cfg: TrainConfig, drafter, num_sequences: int) -> dict:
         "correction_source": t.correction_source, "beta_warmup_steps": t.beta_warmup_steps,
         "compute_dtype": t.compute_dtype, "memory_dtype": t.memory_dtype, "block_size": drafter_cfg.block_size,
         "num_layers": drafter_cfg.num_layers, "intermediate_size": drafter_cfg.intermediate_size,
+        "attention_bias": drafter_cfg.attention_bias,
         "target_layer_ids": list(drafter_cfg.target_layer_ids),
         "mask_token_id": drafter_cfg.mask_token_id,
         "retrace": drafter_cfg.retrace.to_hf() if drafter_cfg.retrace is not None else None,

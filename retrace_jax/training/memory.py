@@ -58,7 +58,8 @@ def abstract_step(cfg: TrainConfig, target_cfg: ModelConfig, mesh=None):
     target = abstract_target(target_cfg, dtype=jnp.dtype(cfg.target_dtype))
     drafter = nnx.eval_shape(lambda: init_drafter(target_cfg, mask_token_id=mask_id, num_layers=dc.num_layers,
                                                   block_size=dc.block_size, target_layer_ids=dc.target_layer_ids,
-                                                  intermediate_size=dc.intermediate_size, retrace=retrace))
+                                                  intermediate_size=dc.intermediate_size, retrace=retrace,
+                                                  attention_bias=bool(dc.attention_bias)))
     target_def, target_state = _abstract(target, mesh)
     drafter_def, drafter_state = _abstract(drafter, mesh)
     optimizer = optimizer_for(cfg)

@@ -30,7 +30,7 @@ from retrace_jax.training.data import MANIFEST
 # be the checkpoint's (rather than be silently ignored)
 NEW_DRAFTER_KEYS = {"num_layers": "num_layers", "block_size": "block_size", "mask_token_id": "mask_token_id",
                     "target_layer_ids": "target_layer_ids", "intermediate_size": "intermediate_size",
-                    "draft_vocab": "draft_vocab_size"}
+                    "draft_vocab": "draft_vocab_size", "attention_bias": "attention_bias"}
 
 
 def target_config(cfg: TrainConfig) -> ModelConfig:
@@ -118,7 +118,7 @@ def _drafter(cfg: TrainConfig, target: ModelConfig) -> list[str]:
             warnings.simplefilter("ignore")
             drafter_config(target, mask_token_id=mask, num_layers=dc.num_layers, block_size=dc.block_size,
                            target_layer_ids=dc.target_layer_ids, intermediate_size=dc.intermediate_size,
-                           retrace=retrace)
+                           retrace=retrace, attention_bias=bool(dc.attention_bias))
     except ConfigError as err:
         out.append(f"drafter: {err}")
     bad = [i for i in dc.init_layers or () if i >= target.num_layers]

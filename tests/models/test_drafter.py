@@ -195,3 +195,28 @@ def test_repeated_target_layer_ids_are_kept_with_a_warning(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         rj.init_drafter(target.cfg, mask_token_id=3, num_layers=2, block_size=4, target_layer_ids=(0, 2))
+
+
+def test_a_drafter_with_attention_biases_keeps_those_of_copied_qwen2_layers(hf_model_dir, tmp_path):
+    """``attention_bias=True`` (``drafter.attention_bias``): the copied layers of a Qwen2 target keep their
+    q/k/v biases (o has none in Qwen2 and stays at zero); the official layout stores them and loads them
+    back; without it the biases are left out, as before."""
+    from retrace_jax.models.drafter import init_layers_from_target
+
+    _, directory = hf_model_dir("qwen2")
+    target = rj.load_target(directory)
+    layer = target.layer_slices()[1]["self_attn"]
+    biased = init_layers_from_target(rj.init_drafter(target.cfg, mask_token_id=3, num_layers=1,
+                                                     attention_bias=True), target, [1])
+    for name in ("q_proj", "k_proj", "v_proj"):
+        want = np.asarray(layer[name]["bias"].get_value())
+        assert np.any(want)
+        np.testing.assert_array_equal(np.asarray(getattr(biased.layers[0].self_attn, name).bias[...]), want)
+    assert not np.any(np.asarray(biased.layers[0].self_attn.o_proj.bias[...]))
+    rj.save_drafter(biased, str(tmp_path))
+    assert json.load(open(tmp_path / "config.json"))["attention_bias"] is True
+    loaded = rj.load_drafter(str(tmp_path), target)
+    np.testing.assert_array_equal(np.asarray(loaded.layers[0].self_attn.k_proj.bias[...]),
+                                  np.asarray(biased.layers[0].self_attn.k_proj.bias[...]))
+    plain = init_layers_from_target(rj.init_drafter(target.cfg, mask_token_id=3, num_layers=1), target, [1])
+    assert not hasattr(plain.layers[0].self_attn.q_proj, "bias") or plain.layers[0].self_attn.q_proj.bias is None
