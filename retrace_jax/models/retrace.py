@@ -19,7 +19,7 @@ input embedding ``E``:
 ``W_h`` starts at zero too. With ``mixture="target"`` the drafter's distribution at each valid slot is
 mixed with the target's stale distribution there (its top ``MIXTURE_TOP_K`` tokens at the verify slot that
 scored the position, renormalised): ``q_j = (1 - g_j) p_j + g_j p^t_j`` with the gate
-``g_j = clip(alpha, 0, 1) * sigmoid(w . h_j + b)`` on the drafter's final state ``h_j``; ``alpha`` starts at
+``g_j = clip(alpha, 0, 1) * sigmoid(w . hd_j + b)`` on the drafter's final state ``hd_j``; ``alpha`` starts at
 zero, so the gate starts closed. With ``zero_start="scale"`` the first residual is multiplied by a learned
 scalar that starts at zero, and ``W_v`` starts small and random instead. See ``docs/retrace.md``.
 """
