@@ -105,9 +105,10 @@ def binned_tau(prompt_lens, acceptance, edges) -> np.ndarray:
     return out
 
 
-def paired_ratio(on: np.ndarray, off: np.ndarray, samples: int = 10_000, seed: int = 0) -> dict:
+def paired_ratio(on: np.ndarray, off: np.ndarray, samples: int = 10_000, seed: int = 0,
+                 names=("on", "off")) -> dict:
     """mean(on) / mean(off) over the prompts that have both, and its 95% percentile bootstrap interval
-    (prompts drawn with replacement, the same draw for both)."""
+    (prompts drawn with replacement, the same draw for both); the two means are ``tau_{names[i]}``."""
     keep = ~np.isnan(on) & ~np.isnan(off)
     on, off = on[keep], off[keep]
     if len(on) == 0:
@@ -116,7 +117,7 @@ def paired_ratio(on: np.ndarray, off: np.ndarray, samples: int = 10_000, seed: i
     idx = rng.integers(0, len(on), (samples, len(on)))
     ratios = on[idx].mean(1) / off[idx].mean(1)
     lo, hi = np.percentile(ratios, [2.5, 97.5])
-    return {"prompts": int(len(on)), "tau_on": float(on.mean()), "tau_off": float(off.mean()),
+    return {"prompts": int(len(on)), f"tau_{names[0]}": float(on.mean()), f"tau_{names[1]}": float(off.mean()),
             "ratio": float(on.mean() / off.mean()), "low": float(lo), "high": float(hi)}
 
 
@@ -140,7 +141,7 @@ def print_table(title: str, rows: list[tuple[str, dict]], names=("on", "off")) -
     print("|---|---|---|---|---|---|")
     for name, r in rows:
         if r["prompts"]:
-            print(f"| {name:>11} | {r['prompts']:7d} | {r['tau_on']:.2f} | {r['tau_off']:.2f} | {r['ratio']:.3f} "
+            print(f"| {name:>11} | {r['prompts']:7d} | {r[f'tau_{a}']:.2f} | {r[f'tau_{b}']:.2f} | {r['ratio']:.3f} "
                   f"| [{r['low']:.3f}, {r['high']:.3f}] |")
 
 
@@ -203,17 +204,14 @@ def main(argv=None):
     result = {"target": target_dir, "drafter": drafter_dir, "args": vars(args)}
     for a, b in pairs:
         # A prompt of each length is its own sample (the files repeat across lengths, the positions do not).
-        by_position = [(f"{lo}-{hi - 1}", paired_ratio(bins[a][:, k], bins[b][:, k]))
+        by_position = [(f"{lo}-{hi - 1}", paired_ratio(bins[a][:, k], bins[b][:, k], names=(a, b)))
                        for k, (lo, hi) in enumerate(zip(edges[:-1], edges[1:]))]
-        by_length = [(str(length or "as is"), paired_ratio(means[a][length], means[b][length])) for length in runs]
-        names = (a, "B" if b == "against" else b)
-        print_table(f"{a} / {names[1]}, by position of the round (its block's first position)", by_position, names)
-        print_table(f"{a} / {names[1]}, by prompt length (whole generations)", by_length, names)
+        by_length = [(str(length or "as is"), paired_ratio(means[a][length], means[b][length], names=(a, b)))
+                     for length in runs]
+        other = "B" if b == "against" else b
+        print_table(f"{a} / {other}, by position of the round (its block's first position)", by_position, (a, b))
+        print_table(f"{a} / {other}, by prompt length (whole generations)", by_length, (a, b))
         key = "" if (a, b) == ("on", "off") else f"_{a}_against"
-        if key:  # tau_on, tau_off of paired_ratio are then this method's and the other drafter's
-            rename = {"tau_on": f"tau_{a}", "tau_off": "tau_against"}
-            by_position, by_length = ([(n, {rename.get(k, k): v for k, v in r.items()}) for n, r in rows]
-                                      for rows in (by_position, by_length))
         result[f"by_position{key}"], result[f"by_length{key}"] = dict(by_position), dict(by_length)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

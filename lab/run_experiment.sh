@@ -14,15 +14,7 @@ ABLATIONS="${ABLATIONS:-1}"
 LONG_SEEDS="${LONG_SEEDS:-0}"  # seed 0 at least: the shipped C is C_agreed_long_s0
 RUNS=lab/work/runs
 
-train() {  # train OUT CONFIG [--set KEY=VALUE ...]
-  local out=$1 config=$2
-  shift 2
-  if grep -qs '"event": "done"' "$out/metrics.jsonl"; then
-    echo "$out: done"
-  else
-    python train.py --config "$config" --set out="$out" "$@"
-  fi
-}
+source lab/train_lib.sh                                      # train OUT CONFIG [--set ...]
 
 if [ ! -f lab/work/prompts/train.jsonl ] || [ ! -f lab/work/prompts/heldout.jsonl ]; then
   python lab/build_prompts.py                                # lab/work/prompts/{train,heldout}.jsonl

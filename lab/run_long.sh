@@ -15,18 +15,10 @@ P=lab/work/prompts_long
 [ -f $P/train.jsonl ] || python lab/build_prompts.py --min-tokens 192 --max-tokens 320 --out $P
 DATA=(--set data.prompts=$P/train.jsonl --set data.dir=lab/work/data_long --set data.max_prompt_len=320
       --set train.seq_len=512 --set drafter.init=lab/drafters/A)
-train() {  # train OUT CONFIG [--set KEY=VALUE ...]
-  local out=$1 config=$2
-  shift 2
-  if grep -qs '"event": "done"' "$out/metrics.jsonl"; then
-    echo "$out: done"
-  else
-    python train.py --config "$config" --set out="$out" "${DATA[@]}" "$@"
-  fi
-}
+source lab/train_lib.sh                                      # train OUT CONFIG [--set ...]
 for s in $SEEDS; do
-  train $RUNS/B_seq512_s$s lab/configs/B.yaml --set train.seed=$s
-  train $RUNS/C_seq512_s$s lab/configs/C.yaml --set train.seed=$s
+  train $RUNS/B_seq512_s$s lab/configs/B.yaml "${DATA[@]}" --set train.seed=$s
+  train $RUNS/C_seq512_s$s lab/configs/C.yaml "${DATA[@]}" --set train.seed=$s
 done
 python benchmarks/retrace_positions.py --drafter $RUNS/C_seq512_s0/drafter --against $RUNS/B_seq512_s0/drafter \
     --prompt-lengths 64,192,320 --out lab/results/positions_C_seq512_against_B_seq512.json

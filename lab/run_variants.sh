@@ -15,15 +15,8 @@ SEEDS="${SEEDS:-0 1 2}"
 VARIANTS="${VARIANTS:-B C_paper C_agreed C_hints C_mix C_fixed}"
 RUNS=lab/work/variants
 
-train() {  # train OUT CONFIG [--set KEY=VALUE ...]
-  local out=$1 config=$2
-  shift 2
-  if grep -qs '"event": "done"' "$out/metrics.jsonl"; then
-    echo "$out: done"
-  else
-    python train.py --config "$config" --set out="$out" --set drafter.init=lab/drafters/A "$@"
-  fi
-}
+INIT=(--set drafter.init=lab/drafters/A)
+source lab/train_lib.sh                                      # train OUT CONFIG [--set ...]
 
 if [ ! -f lab/work/prompts/train.jsonl ] || [ ! -f lab/work/prompts/heldout.jsonl ]; then
   python lab/build_prompts.py                                # lab/work/prompts/{train,heldout}.jsonl
@@ -34,13 +27,13 @@ FIXED=("${HINTS[@]}" --set retrace.zero_start=scale --set train.memory_dropout=0
 for s in $SEEDS; do
   for v in $VARIANTS; do
     case $v in
-      B) train $RUNS/B_s$s lab/configs/B.yaml --set train.seed=$s ;;
-      C_paper) train $RUNS/C_paper_s$s lab/configs/C.yaml --set train.seed=$s --set retrace.slots=all ;;
-      C_agreed) train $RUNS/C_agreed_s$s lab/configs/C.yaml --set train.seed=$s ;;
-      C_hints) train $RUNS/C_hints_s$s lab/configs/C.yaml --set train.seed=$s "${HINTS[@]}" ;;
-      C_mix) train $RUNS/C_mix_s$s lab/configs/C.yaml --set train.seed=$s --set retrace.slots=all \
+      B) train $RUNS/B_s$s lab/configs/B.yaml "${INIT[@]}" --set train.seed=$s ;;
+      C_paper) train $RUNS/C_paper_s$s lab/configs/C.yaml "${INIT[@]}" --set train.seed=$s --set retrace.slots=all ;;
+      C_agreed) train $RUNS/C_agreed_s$s lab/configs/C.yaml "${INIT[@]}" --set train.seed=$s ;;
+      C_hints) train $RUNS/C_hints_s$s lab/configs/C.yaml "${INIT[@]}" --set train.seed=$s "${HINTS[@]}" ;;
+      C_mix) train $RUNS/C_mix_s$s lab/configs/C.yaml "${INIT[@]}" --set train.seed=$s --set retrace.slots=all \
                --set retrace.mixture=target ;;
-      C_fixed) train $RUNS/C_fixed_s$s lab/configs/C.yaml --set train.seed=$s "${FIXED[@]}" ;;
+      C_fixed) train $RUNS/C_fixed_s$s lab/configs/C.yaml "${INIT[@]}" --set train.seed=$s "${FIXED[@]}" ;;
       *) echo "unknown variant $v" >&2; exit 2 ;;
     esac
   done

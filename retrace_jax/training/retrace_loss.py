@@ -106,8 +106,6 @@ class MemoryTraining(NamedTuple):
             raise ValueError(f"memory dropout must be a probability in [0, 1], got {self.dropout!r}")
         if not (isinstance(self.miss_weight, (int, float)) and 0.0 <= self.miss_weight < float("inf")):
             raise ValueError(f"miss_weight must be a number >= 0, got {self.miss_weight!r}")
-        if self.dropout > 0 and self.key is None:
-            raise ValueError("memory dropout needs a random key")
 
 
 def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss_mask_bs, anchors_ba, valid_ba,
@@ -123,6 +121,8 @@ def retrace_rollout(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss
     loss_weights(rounds)  # checks rounds
     mt = memory_training
     mt.check()
+    if mt.dropout > 0 and mt.key is None:
+        raise ValueError("memory dropout needs a random key")
     cfg = drafter.cfg
     k = cfg.block_size
     gamma = default_gamma(k) if gamma is None else gamma

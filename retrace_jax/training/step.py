@@ -61,7 +61,7 @@ class StepOptions:
         if not isinstance(self.remat, bool):
             raise ValueError(f"remat must be True or False, got {self.remat!r}")
         loss_weights(self.rounds, self.round_weights, self.round1_weight)  # raises ValueError
-        MemoryTraining(self.memory_dropout, self.miss_weight, jnp.zeros(2, jnp.uint32)).check()
+        MemoryTraining(self.memory_dropout, self.miss_weight).check()
         if self.round_weights is not None:
             object.__setattr__(self, "round_weights", tuple(self.round_weights))  # hashable (a static argument)
         for name in ("num_anchors", "grad_accum"):
