@@ -262,6 +262,8 @@ def main(argv=None):
         print(f"[{key}] speed done", flush=True)
         save(result, args.out)
 
+    result["complete"] = True  # every run above finished (an interrupted evaluation's file lacks this)
+    save(result, args.out)
     print_tables(result)
     if args.plot:
         plot_lengths(result, args.plot)

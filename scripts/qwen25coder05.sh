@@ -35,16 +35,25 @@ if [ ! -f "$D/code_mix_varied.jsonl" ]; then
     mv "$D/code_mix_varied.jsonl.tmp" "$D/code_mix_varied.jsonl"
 fi
 python train.py --config configs/qwen25coder05_dflash.yaml
-# the bfloat16 copy that ships in the package (rj.assets.shipped_drafter("qwen2.5-coder-0.5b-instruct"))
+# the bfloat16 copy that ships in the package (rj.assets.shipped_drafter("qwen2.5-coder-0.5b-instruct")), as a
+# plain directory (save_drafter's versioned layout is a symbolic link, which package data cannot hold)
 SHIP=retrace_jax/assets/drafters/qwen2.5-coder-0.5b-instruct-dflash
 python -c "import retrace_jax as rj; t = rj.load_target('$M'); \
-rj.save_drafter(rj.load_drafter('runs/qwen25coder05_dflash/drafter', t), '$SHIP', dtype='bfloat16')"
-# τ (T = 0 and 1), batch-1 speed against plain decoding, every greedy output checked: HumanEval as raw
-# completion (164 prompts) and the held-out package pieces (256)
-python benchmarks/speculative_eval.py --target "$M" --drafter dflash=$SHIP \
-    --spec-bench none --humaneval none --prompts "humaneval=$D/humaneval_raw.jsonl" \
-    --prompts "heldout=$D/code_heldout.jsonl" --per-dataset 0 --max-prompt-len 512 --max-new-tokens 128 \
-    --speed-prompts 8 --out runs/qwen25coder05_eval.json
+rj.save_drafter(rj.load_drafter('runs/qwen25coder05_dflash/drafter', t), 'runs/qwen25coder05_dflash/drafter_bf16', dtype='bfloat16')"
+rm -rf "$SHIP" && cp -rL runs/qwen25coder05_dflash/drafter_bf16 "$SHIP"
+# τ at T = 0 at blocks 16, 8 and 4 (the drafter trained at 16, run at smaller blocks too), batch-1 speed
+# against plain decoding, every greedy output checked: HumanEval as raw completion (164 prompts), 64 of the
+# 256 held-out package pieces; then τ at T = 1 on 32 prompts of each
+finished() { python -c "import json, sys; sys.exit(not json.load(open(sys.argv[1])).get('complete'))" "$1" 2>/dev/null; }
+EVAL="--target $M --drafter dflash=$SHIP --drafter b8=$SHIP --block-size b8=8 --drafter b4=$SHIP --block-size b4=4
+      --spec-bench none --humaneval none --max-prompt-len 512 --max-new-tokens 128 --batch-size 32"
+finished runs/qwen25coder05_eval_humaneval.json || python benchmarks/speculative_eval.py $EVAL --prompts humaneval=$D/humaneval_raw.jsonl --per-dataset 0 \
+    --temperatures 0 --speed-methods plain,dflash,b8,b4 --speed-prompts 8 --out runs/qwen25coder05_eval_humaneval.json
+finished runs/qwen25coder05_eval_heldout.json || python benchmarks/speculative_eval.py $EVAL --prompts heldout=$D/code_heldout.jsonl --per-dataset 64 \
+    --temperatures 0 --speed-methods plain,dflash,b8,b4 --speed-prompts 8 --out runs/qwen25coder05_eval_heldout.json
+finished runs/qwen25coder05_eval_T1.json || python benchmarks/speculative_eval.py $EVAL --prompts humaneval=$D/humaneval_raw.jsonl \
+    --prompts heldout=$D/code_heldout.jsonl --per-dataset 32 --temperatures 1 --sampled-methods dflash,b4 \
+    --speed-prompts 0 --speed-temperatures '' --out runs/qwen25coder05_eval_T1.json
 # ReTrace on the pair: A fine-tuned 300 more steps with the DFlash objective (B) and with the ReTrace
 # objective (C), then τ of B, C and C-off on both prompt sets with 95% bootstrap intervals over prompts
 python train.py --config configs/qwen25coder05_dflash_ft.yaml

@@ -6,7 +6,8 @@ import os
 
 # drafters this project trained and ships inside the package: target name -> {variant: directory under
 # drafters/}; "default" is the one the demo runs (retrace_jax/assets/drafters/README.md describes each)
-SHIPPED = {"smollm2-135m-instruct": {"default": "smollm2-135m-instruct-dflash",
+SHIPPED = {"qwen2.5-coder-0.5b-instruct": {"default": "qwen2.5-coder-0.5b-instruct-dflash"},
+           "smollm2-135m-instruct": {"default": "smollm2-135m-instruct-dflash",
                                      "retrace": "smollm2-135m-instruct-retrace"}}
 
 

@@ -20,6 +20,11 @@ SMOLLM2 = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "inte
            "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
            "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 8192,
            "tie_word_embeddings": True, "hidden_act": "silu"}
+# the fields of Qwen2.5-Coder-0.5B-Instruct's config.json (as rj.assets.fetch converts it) that a drafter must match
+QWEN25_CODER = {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
+                "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "head_dim": 64,
+                "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+                "tie_word_embeddings": False, "hidden_act": "silu"}
 
 
 def test_sharegpt_array_cut_short_yields_whole_records(tmp_path):
@@ -51,21 +56,30 @@ def test_humaneval_prompts(tmp_path):
     assert record["task_id"] == "HumanEval/0" and record["prompt"].endswith("```python\ndef f(x):\n    \"\"\"Doc.\"\"\"\n```")
 
 
-@pytest.mark.parametrize("variant", ["default", "retrace"])
-def test_shipped_drafters_match_smollm2(variant):
-    """The demo's default (DFlash, two layers, a draft vocabulary beside the official layout) and the
-    earlier ReTrace drafter both fit SmolLM2-135M-Instruct and stay small."""
-    path = shipped.shipped_drafter("smollm2-135m-instruct", variant)
+@pytest.mark.parametrize("model, variant, hf, layers", [
+    ("smollm2-135m-instruct", "default", SMOLLM2, 2),
+    ("smollm2-135m-instruct", "retrace", SMOLLM2, 1),
+    ("qwen2.5-coder-0.5b-instruct", "default", QWEN25_CODER, 2),
+])
+def test_shipped_drafters_fit_their_targets(model, variant, hf, layers):
+    """Each shipped drafter fits its target and stays small: the demo's defaults (DFlash, two layers, a
+    draft vocabulary beside the official layout) and SmolLM2's earlier ReTrace drafter. Each is a plain
+    directory of bfloat16 tensors (package data cannot hold the symbolic link of rj.save_drafter's
+    versioned layout)."""
+    path = shipped.shipped_drafter(model, variant)
     if variant == "default":
-        assert path == shipped.shipped_drafter("smollm2-135m-instruct")
+        assert path == shipped.shipped_drafter(model)
+    assert os.path.isdir(path) and not os.path.islink(path)
     with open(os.path.join(path, "config.json")) as f:
         cfg = DrafterConfig.from_hf(json.load(f))
-    check_drafter_matches(cfg, ModelConfig.from_hf(SMOLLM2))
-    assert (cfg.retrace is not None) == (variant == "retrace")
+    check_drafter_matches(cfg, ModelConfig.from_hf(hf))
+    assert (cfg.retrace is not None) == (variant == "retrace") and cfg.num_layers == layers
     with safe_open(os.path.join(path, "model.safetensors"), "np") as f:
         shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
-    assert shapes["fc.weight"] == [576, 576 * len(cfg.target_layer_ids)]
-    assert os.path.getsize(os.path.join(path, "model.safetensors")) < 16 << 20
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+    d = hf["hidden_size"]
+    assert shapes["fc.weight"] == [d, d * len(cfg.target_layer_ids)] and dtypes == {"BF16"}
+    assert os.path.getsize(os.path.join(path, "model.safetensors")) < 30 << 20
     if variant == "default":
         ids = read_draft_vocab(path, cfg)
-        assert cfg.draft_vocab_size == len(ids) == len(set(ids.tolist())) and ids.max() < SMOLLM2["vocab_size"]
+        assert cfg.draft_vocab_size == len(ids) == len(set(ids.tolist())) and ids.max() < hf["vocab_size"]

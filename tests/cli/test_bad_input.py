@@ -320,7 +320,7 @@ def test_messages_after_the_first_user_turn_are_not_checked(tmp_path):
 @pytest.mark.parametrize("call, pattern", [
     (lambda: models.fetch("gpt-5"), r"unknown model 'gpt-5'; available: smollm2-135m-instruct"),
     (lambda: prompts.fetch_dataset("mmlu"), r"unknown dataset 'mmlu'; available: sharegpt, humaneval"),
-    (lambda: shipped.shipped_drafter("qwen2.5-coder-0.5b-instruct"), r"no drafter shipped for"),
+    (lambda: shipped.shipped_drafter("qwen3-8b"), r"no drafter shipped for 'qwen3-8b'; shipped: "),
     (lambda: shipped.shipped_drafter("smollm2-135m-instruct", "eagle"), r"no 'eagle' drafter shipped for "
                                                                         r"'smollm2-135m-instruct'; there are: default"),
 ])
