@@ -1,14 +1,14 @@
 """Compile time of the decode programs, and tokens/s, for each way of running the target's layers.
 
 Plain greedy and speculative (DFlash, and ReTrace with ``--retrace``) programs of a SmolLM2-135M-shaped
-target (Llama, 30 layers, d 576, vocabulary 49,152: the demo's model, random weights) with a random
+target (Llama, 30 layers, d 576, vocabulary 49,152: the first demo's model, random weights) with a random
 2-layer, block-8 drafter. Each
 program is traced, lowered and compiled by XLA with the persistent compilation cache off, and each
 stage is timed on its own, ``--compile-repeats`` times round-robin (JAX's in-memory caches cleared
 before each); then the compiled programs generate ``--tokens`` tokens at batch 1, round-robin, and the
 table gives the medians.
 
-    python benchmarks/compile_time.py                    # the demo's shapes (a few minutes on 2 cores)
+    python benchmarks/compile_time.py                    # SmolLM2-135M's shapes (a few minutes on 2 cores)
     python benchmarks/compile_time.py --layers 4 --quick # a smoke run
 
 XLA options: ``cpu`` are the options ``generate``'s programs compile with on CPU

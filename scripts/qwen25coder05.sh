@@ -55,11 +55,11 @@ finished runs/qwen25coder05_eval_T1.json || python benchmarks/speculative_eval.p
     --prompts heldout=$D/code_heldout.jsonl --per-dataset 32 --temperatures 1 --sampled-methods dflash,b4 \
     --speed-prompts 0 --speed-temperatures '' --out runs/qwen25coder05_eval_T1.json
 # ReTrace on the pair: A fine-tuned 300 more steps with the DFlash objective (B) and with the ReTrace
-# objective (C), then τ of B, C and C-off on both prompt sets with 95% bootstrap intervals over prompts
+# objective (C), then τ of B, C and C-off on 64 prompts of each set with 95% bootstrap intervals over prompts
 python train.py --config configs/qwen25coder05_dflash_ft.yaml
 python train.py --config configs/qwen25coder05_retrace.yaml
 for set in humaneval=$D/humaneval_raw.jsonl heldout=$D/code_heldout.jsonl; do
-    python lab/evaluate.py --target "$M" --prompts "${set#*=}" --num-prompts 0 --max-prompt-len 512 \
+    python lab/evaluate.py --target "$M" --prompts "${set#*=}" --num-prompts 64 --max-prompt-len 512 \
         --drafter B=runs/qwen25coder05_dflash_ft/drafter --drafter C=runs/qwen25coder05_retrace/drafter \
         --compare C/B --compare C-off/B --compare C/C-off --temperatures 0 --batch-size 32 \
         --out "runs/qwen25coder05_retrace_${set%%=*}.json"

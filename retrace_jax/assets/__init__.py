@@ -5,7 +5,8 @@
     python scripts/mix_prompts.py --out mix.jsonl --take sharegpt=all,math=3000,asdiv=all,mbpp=3000
 
 or from Python: ``rj.assets.fetch("smollm2-135m-instruct")`` returns the model directory and
-``rj.assets.shipped_drafter("smollm2-135m-instruct")`` the demo's drafter. No model hub is contacted:
+``rj.assets.shipped_drafter("smollm2-135m-instruct")`` the drafter shipped for it (``python decode.py``
+runs ``"qwen2.5-coder-0.5b-instruct"``'s). No model hub is contacted:
 models are GGUF files inside pinned wheels (``models``), prompt sets are files inside pinned packages
 (``prompts``), each checked by sha256. ``mixing`` builds one decontaminated training file from several
 sets; ``shipped`` finds the drafters in ``assets/drafters/``. docs/assets.md lists every asset.

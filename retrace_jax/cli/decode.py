@@ -72,8 +72,8 @@ def parse_args(argv=None):
                                     f'use, with its drafter and demo prompt); default: {DEMO_MODEL}')
     p.add_argument("--drafter", help="DFlash or ReTrace drafter directory (official DFlash layout)")
     p.add_argument("--prompt", default=None, help="default: the shipped pair's demo prompt (the start of a "
-                                                  "function for the code model, a question for SmolLM2), the "
-                                                  "start of a held-out file (lab), a question (other targets)")
+                                                  "function for the code model, a question for SmolLM2), a "
+                                                  "licence header (lab), a question (other targets)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=None, help="override the drafter's block size (2 to 256; a shipped "
