@@ -77,7 +77,7 @@ def parse_args(argv=None):
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=None,
-                   help="override the drafter's block size (2 to 256; a shipped pair's demo runs at its own)")
+                   help="override the drafter's block size (2 to 256); a shipped pair's demo runs at its own")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else between 1e-6 and 1e6")
     p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0: off")
