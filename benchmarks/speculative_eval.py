@@ -163,7 +163,7 @@ def main(argv=None):
     p.add_argument("--max-prompt-len", type=int, default=1024)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=64, help="rows per batched τ run")
-    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--temperatures", default="0,1", help="temperatures of the batched τ runs ('': none, speed only)")
     p.add_argument("--sampled-methods", default=None,
                    help="methods run at T > 0 (comma separated; default: all)")
     p.add_argument("--speed-temperatures", default="0", help="temperatures of the batch-1 speed runs")
@@ -187,7 +187,7 @@ def main(argv=None):
         methods[name] = {"drafter": d, "draft_rule": args.draft_rule, "block_size": block_sizes.get(name)}
         if d.cfg.retrace is not None:
             methods[f"{name}-off"] = {**methods[name], "use_retrace": False}
-    temperatures = [float(t) for t in args.temperatures.split(",")]
+    temperatures = [float(t) for t in args.temperatures.split(",") if t]
 
     datasets, skipped = {}, {}
     chats = {name: [[{"role": "user", "content": t}] for t in texts] for name, texts in read_datasets(
