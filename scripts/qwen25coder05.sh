@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Qwen2.5-Coder-0.5B-Instruct pair of docs/results.md, stage by stage: the prompt sets, the DFlash
 # drafter (regeneration, the feature store, training, export), its evaluation, then ReTrace against DFlash
-# fine-tuning on the pair (B, C). Every stage is
+# fine-tuning on the pair (B, C, and the shipped ReTrace drafter with the output mixture). Every stage is
 # resumable: rerunning the same command skips what is finished and continues what was interrupted
 # (shards, features, checkpoints).
 #   pip install -e '.[assets]' && bash scripts/qwen25coder05.sh
@@ -54,6 +54,10 @@ finished runs/qwen25coder05_eval_heldout.json || python benchmarks/speculative_e
 finished runs/qwen25coder05_eval_T1.json || python benchmarks/speculative_eval.py $EVAL --prompts humaneval=$D/humaneval_raw.jsonl \
     --prompts heldout=$D/code_heldout.jsonl --per-dataset 32 --temperatures 1 --sampled-methods dflash,b4 \
     --speed-prompts 0 --speed-temperatures '' --out runs/qwen25coder05_eval_T1.json
+# batch-1 speed at T = 1 (sampled, so no token check) on the first 4 prompts of each set
+finished runs/qwen25coder05_speed_T1.json || python benchmarks/speculative_eval.py $EVAL --prompts humaneval=$D/humaneval_raw.jsonl \
+    --prompts heldout=$D/code_heldout.jsonl --per-dataset 0 --temperatures '' --speed-temperatures 1 \
+    --speed-methods plain,dflash,b4 --speed-prompts 4 --out runs/qwen25coder05_speed_T1.json
 # ReTrace on the pair: A fine-tuned 300 more steps with the DFlash objective (B) and with the ReTrace
 # objective (C), then τ of B, C and C-off on 64 prompts of each set with 95% bootstrap intervals over prompts
 python train.py --config configs/qwen25coder05_dflash_ft.yaml
@@ -63,4 +67,17 @@ for set in humaneval=$D/humaneval_raw.jsonl heldout=$D/code_heldout.jsonl; do
         --drafter B=runs/qwen25coder05_dflash_ft/drafter --drafter C=runs/qwen25coder05_retrace/drafter \
         --compare C/B --compare C-off/B --compare C/C-off --temperatures 0 --batch-size 32 \
         --out "runs/qwen25coder05_retrace_${set%%=*}.json"
+done
+# the ReTrace drafter that ships (rj.assets.shipped_drafter("qwen2.5-coder-0.5b-instruct", "retrace")): C's
+# recipe with every slot kept, the output mixture and a rank-64 fusion; the same comparison against B
+python train.py --config configs/qwen25coder05_retrace_mix.yaml
+SHIPR=retrace_jax/assets/drafters/qwen2.5-coder-0.5b-instruct-retrace
+python -c "import retrace_jax as rj; t = rj.load_target('$M'); \
+rj.save_drafter(rj.load_drafter('runs/qwen25coder05_retrace_mix/drafter', t), 'runs/qwen25coder05_retrace_mix/drafter_bf16', dtype='bfloat16')"
+rm -rf "$SHIPR" && cp -rL runs/qwen25coder05_retrace_mix/drafter_bf16 "$SHIPR"
+for set in humaneval=$D/humaneval_raw.jsonl heldout=$D/code_heldout.jsonl; do
+    python lab/evaluate.py --target "$M" --prompts "${set#*=}" --num-prompts 64 --max-prompt-len 512 \
+        --drafter B=runs/qwen25coder05_dflash_ft/drafter --drafter Cmix=runs/qwen25coder05_retrace_mix/drafter \
+        --compare Cmix/B --compare Cmix-off/B --compare Cmix/Cmix-off --temperatures 0 --batch-size 32 \
+        --out "runs/qwen25coder05_retrace_mix_${set%%=*}.json"
 done

@@ -7,7 +7,8 @@ import os
 # drafters this project trained and ships inside the package: target name -> {variant: directory under
 # drafters/}; "default" is the one `decode.py --target MODEL` runs (retrace_jax/assets/drafters/README.md
 # describes each)
-SHIPPED = {"qwen2.5-coder-0.5b-instruct": {"default": "qwen2.5-coder-0.5b-instruct-dflash"},
+SHIPPED = {"qwen2.5-coder-0.5b-instruct": {"default": "qwen2.5-coder-0.5b-instruct-dflash",
+                                           "retrace": "qwen2.5-coder-0.5b-instruct-retrace"},
            "smollm2-135m-instruct": {"default": "smollm2-135m-instruct-dflash",
                                      "retrace": "smollm2-135m-instruct-retrace"}}
 
@@ -17,9 +18,8 @@ SHIPPED_DRAFTERS = {model: variants["default"] for model, variants in SHIPPED.it
 
 def shipped_drafter(model: str, variant: str = "default") -> str:
     """The directory of a drafter shipped for ``model``: its ``"default"`` (the one ``decode.py --target
-    model`` runs) or another variant of :data:`SHIPPED` (``"retrace"``: a ReTrace drafter, stage C of the
-    SmolLM2 experiment).
-    docs/results_smollm2.md says how each was trained."""
+    model`` runs) or another variant of :data:`SHIPPED` (``"retrace"``: a ReTrace drafter).
+    retrace_jax/assets/drafters/README.md says how each was trained."""
     if model not in SHIPPED:
         raise ValueError(f"no drafter shipped for {model!r}; shipped: {', '.join(SHIPPED)}")
     if variant not in SHIPPED[model]:
