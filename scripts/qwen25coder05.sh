@@ -81,3 +81,8 @@ for set in humaneval=$D/humaneval_raw.jsonl heldout=$D/code_heldout.jsonl; do
         --compare Cmix/B --compare Cmix-off/B --compare Cmix/Cmix-off --temperatures 0 --batch-size 32 \
         --out "runs/qwen25coder05_retrace_mix_${set%%=*}.json"
 done
+# batch-1 speed of the two shipped drafters at blocks 16 and 4 (the first 4 HumanEval prompts, T = 0):
+#   python benchmarks/speculative_eval.py --target $M --drafter dflash=$SHIP --drafter b4=$SHIP --block-size b4=4 \
+#     --drafter retrace=$SHIPR --drafter retrace4=$SHIPR --block-size retrace4=4 --spec-bench none --humaneval none \
+#     --max-prompt-len 512 --max-new-tokens 128 --prompts humaneval=$D/humaneval_raw.jsonl --per-dataset 0 \
+#     --temperatures '' --speed-temperatures 0 --speed-methods plain,dflash,b4,retrace,retrace4 --speed-prompts 4
