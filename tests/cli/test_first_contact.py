@@ -25,9 +25,15 @@ ENV = dict(os.environ, JAX_PLATFORMS="cpu", RETRACE_JAX_CACHE_DIR="", PYTHONUNBU
 ENV.pop("RETRACE_JAX_TRACEBACK", None)
 
 
+def _default_sigint():
+    """Ctrl-C as a terminal delivers it, in the child: a suite started in the background (``cmd &`` in a
+    script) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler at all."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _python(args, **kwargs):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300,
-                          check=False, **kwargs)
+                          check=False, preexec_fn=_default_sigint, **kwargs)
 
 
 # ------------------------------------------------------------------------------------ E: no JAX before parsing
@@ -111,7 +117,7 @@ def _interrupt(args, marker: str, stop_after: float = 180):
     """Starts ``python ARGS``, sends SIGINT once ``marker`` appeared on its stdout, returns (status, stdout,
     stderr)."""
     proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT, env=ENV)
+                            cwd=ROOT, env=ENV, preexec_fn=_default_sigint)
     out = ""
     try:
         while marker not in out:
