@@ -34,13 +34,26 @@ if [ ! -f "$D/code_mix_varied.jsonl" ]; then
     { head -n 2816 "$D/code_mix.jsonl"; head -n 1296 "$D/code_long_mix.jsonl"; } > "$D/code_mix_varied.jsonl.tmp"
     mv "$D/code_mix_varied.jsonl.tmp" "$D/code_mix_varied.jsonl"
 fi
+# ship RUN DIR: the bfloat16 copy of RUN's drafter that ships in the package (DIR), as a plain directory
+# (save_drafter's versioned layout is a symbolic link, which package data cannot hold)
+ship() {
+    python -c "import retrace_jax as rj; t = rj.load_target('$M'); \
+rj.save_drafter(rj.load_drafter('$1/drafter', t), '$1/drafter_bf16', dtype='bfloat16')"
+    rm -rf "$2" && cp -rL "$1/drafter_bf16" "$2"
+}
+# against_b NAME RUN OUT: τ of B, NAME (RUN's drafter) and NAME with its memory off on 64 prompts of each
+# set, T = 0, with 95% bootstrap intervals over prompts; OUT_{humaneval,heldout}.json
+against_b() {
+    for set in humaneval=$D/humaneval_raw.jsonl heldout=$D/code_heldout.jsonl; do
+        python lab/evaluate.py --target "$M" --prompts "${set#*=}" --num-prompts 64 --max-prompt-len 512 \
+            --drafter B=runs/qwen25coder05_dflash_ft/drafter --drafter "$1=$2/drafter" \
+            --compare "$1/B" --compare "$1-off/B" --compare "$1/$1-off" --temperatures 0 --batch-size 32 \
+            --out "$3_${set%%=*}.json"
+    done
+}
 python train.py --config configs/qwen25coder05_dflash.yaml
-# the bfloat16 copy that ships in the package (rj.assets.shipped_drafter("qwen2.5-coder-0.5b-instruct")), as a
-# plain directory (save_drafter's versioned layout is a symbolic link, which package data cannot hold)
-SHIP=retrace_jax/assets/drafters/qwen2.5-coder-0.5b-instruct-dflash
-python -c "import retrace_jax as rj; t = rj.load_target('$M'); \
-rj.save_drafter(rj.load_drafter('runs/qwen25coder05_dflash/drafter', t), 'runs/qwen25coder05_dflash/drafter_bf16', dtype='bfloat16')"
-rm -rf "$SHIP" && cp -rL runs/qwen25coder05_dflash/drafter_bf16 "$SHIP"
+SHIP=retrace_jax/assets/drafters/qwen2.5-coder-0.5b-instruct-dflash   # rj.assets.shipped_drafter(MODEL)
+ship runs/qwen25coder05_dflash "$SHIP"
 # τ at T = 0 at blocks 16, 8 and 4 (the drafter trained at 16, run at smaller blocks too), batch-1 speed
 # against plain decoding, every greedy output checked: HumanEval as raw completion (164 prompts), 64 of the
 # 256 held-out package pieces; then τ at T = 1 on 32 prompts of each
@@ -62,27 +75,26 @@ finished runs/qwen25coder05_speed_T1.json || python benchmarks/speculative_eval.
 # objective (C), then τ of B, C and C-off on 64 prompts of each set with 95% bootstrap intervals over prompts
 python train.py --config configs/qwen25coder05_dflash_ft.yaml
 python train.py --config configs/qwen25coder05_retrace.yaml
-for set in humaneval=$D/humaneval_raw.jsonl heldout=$D/code_heldout.jsonl; do
-    python lab/evaluate.py --target "$M" --prompts "${set#*=}" --num-prompts 64 --max-prompt-len 512 \
-        --drafter B=runs/qwen25coder05_dflash_ft/drafter --drafter C=runs/qwen25coder05_retrace/drafter \
-        --compare C/B --compare C-off/B --compare C/C-off --temperatures 0 --batch-size 32 \
-        --out "runs/qwen25coder05_retrace_${set%%=*}.json"
-done
+against_b C runs/qwen25coder05_retrace runs/qwen25coder05_retrace
 # the ReTrace drafter that ships (rj.assets.shipped_drafter("qwen2.5-coder-0.5b-instruct", "retrace")): C's
 # recipe with every slot kept, the output mixture and a rank-64 fusion; the same comparison against B
 python train.py --config configs/qwen25coder05_retrace_mix.yaml
 SHIPR=retrace_jax/assets/drafters/qwen2.5-coder-0.5b-instruct-retrace
-python -c "import retrace_jax as rj; t = rj.load_target('$M'); \
-rj.save_drafter(rj.load_drafter('runs/qwen25coder05_retrace_mix/drafter', t), 'runs/qwen25coder05_retrace_mix/drafter_bf16', dtype='bfloat16')"
-rm -rf "$SHIPR" && cp -rL runs/qwen25coder05_retrace_mix/drafter_bf16 "$SHIPR"
-for set in humaneval=$D/humaneval_raw.jsonl heldout=$D/code_heldout.jsonl; do
-    python lab/evaluate.py --target "$M" --prompts "${set#*=}" --num-prompts 64 --max-prompt-len 512 \
-        --drafter B=runs/qwen25coder05_dflash_ft/drafter --drafter Cmix=runs/qwen25coder05_retrace_mix/drafter \
-        --compare Cmix/B --compare Cmix-off/B --compare Cmix/Cmix-off --temperatures 0 --batch-size 32 \
-        --out "runs/qwen25coder05_retrace_mix_${set%%=*}.json"
-done
-# batch-1 speed of the two shipped drafters at blocks 16 and 4 (the first 4 HumanEval prompts, T = 0):
-#   python benchmarks/speculative_eval.py --target $M --drafter dflash=$SHIP --drafter b4=$SHIP --block-size b4=4 \
-#     --drafter retrace=$SHIPR --drafter retrace4=$SHIPR --block-size retrace4=4 --spec-bench none --humaneval none \
-#     --max-prompt-len 512 --max-new-tokens 128 --prompts humaneval=$D/humaneval_raw.jsonl --per-dataset 0 \
-#     --temperatures '' --speed-temperatures 0 --speed-methods plain,dflash,b4,retrace,retrace4 --speed-prompts 4
+ship runs/qwen25coder05_retrace_mix "$SHIPR"
+against_b Cmix runs/qwen25coder05_retrace_mix runs/qwen25coder05_retrace_mix
+# the mixture closed at inference: Cmix's weights with retrace.mix_scale at 0 (the fusion kept), on HumanEval
+CLOSED=runs/qwen25coder05_retrace_mix/drafter_nomix
+python -c "import os, shutil, sys; from safetensors.numpy import load_file, save_file
+src, dst = os.path.realpath(sys.argv[1]), sys.argv[2]
+shutil.rmtree(dst, ignore_errors=True); shutil.copytree(src, dst)
+t = load_file(dst + '/model.safetensors'); t['retrace.mix_scale'] = 0 * t['retrace.mix_scale']
+save_file(t, dst + '/model.safetensors', metadata={'format': 'pt'})" runs/qwen25coder05_retrace_mix/drafter "$CLOSED"
+python lab/evaluate.py --target "$M" --prompts $D/humaneval_raw.jsonl --num-prompts 64 --max-prompt-len 512 \
+    --drafter Cnomix=$CLOSED --compare Cnomix/Cnomix-off --temperatures 0 --batch-size 32 \
+    --out runs/qwen25coder05_retrace_nomix_humaneval.json
+# batch-1 speed of the two shipped drafters at blocks 16 and 4 (the first 4 HumanEval prompts, T = 0)
+finished runs/qwen25coder05_speed_retrace.json || python benchmarks/speculative_eval.py --target $M \
+    --drafter dflash=$SHIP --drafter b4=$SHIP --block-size b4=4 --drafter retrace=$SHIPR --drafter retrace4=$SHIPR \
+    --block-size retrace4=4 --spec-bench none --humaneval none --max-prompt-len 512 --max-new-tokens 128 \
+    --prompts humaneval=$D/humaneval_raw.jsonl --per-dataset 0 --temperatures '' --speed-temperatures 0 \
+    --speed-methods plain,dflash,b4,retrace,retrace4 --speed-prompts 4 --out runs/qwen25coder05_speed_retrace.json
