@@ -9,11 +9,14 @@
 # checkpoint and a finished one is skipped, so rerunning the script continues where it stopped.
 #   pip install -e '.[bench]' && bash lab/run_variants.sh
 #   SEEDS="0" VARIANTS="B C_hints" bash lab/run_variants.sh       # a subset
+#   STAGE=train bash lab/run_variants.sh                         # only train (STAGE=evaluate: only evaluate)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SEEDS="${SEEDS:-0 1 2}"
 VARIANTS="${VARIANTS:-B C_paper C_agreed C_hints C_mix C_fixed}"
+STAGE="${STAGE:-all}"
 RUNS=lab/work/variants
+case $STAGE in all|train|evaluate) ;; *) echo "STAGE must be all, train or evaluate, not $STAGE" >&2; exit 2 ;; esac
 
 INIT=(--set drafter.init=lab/drafters/A)
 source lab/train_lib.sh                                      # train OUT CONFIG [--set ...]
@@ -25,6 +28,7 @@ python train.py --config lab/configs/A.yaml --stage prepare  # A's data (lab/wor
 HINTS=(--set retrace.slots=all --set retrace.hints=tokens)
 FIXED=("${HINTS[@]}" --set retrace.zero_start=scale --set train.memory_dropout=0.5 --set train.miss_weight=1.0)
 for s in $SEEDS; do
+  [ "$STAGE" = evaluate ] && break
   for v in $VARIANTS; do
     case $v in
       B) train $RUNS/B_s$s lab/configs/B.yaml "${INIT[@]}" --set train.seed=$s ;;
@@ -38,6 +42,7 @@ for s in $SEEDS; do
     esac
   done
 done
+[ "$STAGE" = train ] && exit 0
 # τ on 128 held-out pieces at T = 0, every variant against B and its memory on against off, 95% intervals
 args=()
 for v in $VARIANTS; do

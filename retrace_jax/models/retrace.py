@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from pydantic import BaseModel
 
+from retrace_jax.decoding.sampling import largest_k
 from retrace_jax.models.layers import linear
 from retrace_jax.validation import STRICT, Bool, PositiveInt, config_dataclass, validated
 
@@ -243,11 +244,14 @@ class Memory:
 def stale_top_k(target_logits_bwv, to_index):
     """The target's ``MIXTURE_TOP_K`` most likely tokens of each slot as draft-vocabulary indices
     (``to_index``: target ids -> draft indices, -1 outside) and their probabilities, renormalised over the
-    ones inside the draft vocabulary (all zero when none is)."""
-    logp = jax.nn.log_softmax(target_logits_bwv.astype(jnp.float32), -1)
-    top_logp, top_ids = jax.lax.top_k(logp, MIXTURE_TOP_K)
-    ids = to_index(top_ids.astype(jnp.int32))
-    p = jnp.where(ids >= 0, jnp.exp(top_logp), 0.0)
+    ones inside the draft vocabulary (all zero when none is). Renormalised, they are a softmax of those
+    logits alone, so the vocabulary's normaliser is never computed: a round takes the top entries of the
+    verify pass's logits and nothing else over the vocabulary."""
+    top_logits, top_ids = largest_k(target_logits_bwv.astype(jnp.float32), MIXTURE_TOP_K)
+    ids = to_index(top_ids)
+    inside = ids >= 0
+    peak = jnp.max(jnp.where(inside, top_logits, -jnp.inf), -1, keepdims=True)
+    p = jnp.exp(jnp.where(inside, top_logits - peak, -jnp.inf))
     return ids, p / jnp.maximum(jnp.sum(p, -1, keepdims=True), 1e-30)
 
 

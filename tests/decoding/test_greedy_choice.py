@@ -1,5 +1,5 @@
-"""The greedy choice: the two-level argmax equals ``jnp.argmax``, and non-finite logits are reported
-instead of becoming a token."""
+"""The greedy choice: the two-level argmax equals ``jnp.argmax`` and the two-level top-k equals
+``lax.top_k``, and non-finite logits are reported instead of becoming a token."""
 
 import dataclasses
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import retrace_jax as rj
-from retrace_jax.decoding.sampling import ARGMAX_BLOCK, argmax
+from retrace_jax.decoding.sampling import ARGMAX_BLOCK, argmax, largest_k
 from retrace_jax.models.tiny import TINY_QWEN3, tiny_target
 
 
@@ -34,6 +34,37 @@ def test_argmax_control_a_one_level_block_choice_would_differ():
     x = np.zeros((1, 4 * ARGMAX_BLOCK), np.float32)
     x[0, 3 * ARGMAX_BLOCK + 5] = 1.0
     assert int(argmax(jnp.asarray(x))[0]) == 3 * ARGMAX_BLOCK + 5
+
+
+@pytest.mark.parametrize("vocab", [7, 2 * ARGMAX_BLOCK, 4096, 1000, 3 * ARGMAX_BLOCK + 1])
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_largest_k_equals_lax_top_k(vocab, k):
+    rng = np.random.default_rng(vocab + k)
+    k = min(k, vocab)
+    blocky = np.repeat(rng.integers(-2, 2, size=-(-vocab // ARGMAX_BLOCK)), ARGMAX_BLOCK)[:vocab]
+    rows = [rng.integers(-3, 3, size=vocab),  # many ties, some across blocks
+            rng.normal(size=vocab),
+            blocky.astype(float),  # whole blocks tie: the lower blocks' entries first
+            np.full(vocab, -np.inf),  # all -inf: the first k indices, never a pad entry
+            np.where(np.arange(vocab) >= vocab - k, np.inf, rng.normal(size=vocab)),  # the last entries
+            np.where(np.arange(vocab) % 2 == 1, 5.0, -5.0)]  # ties everywhere: the first odd indices
+    x = jnp.asarray(np.stack(rows).astype(np.float32))
+    values, ids = jax.lax.top_k(x, k)
+    for shaped in (x, x.reshape(len(rows), 1, vocab)):
+        got_values, got_ids = jax.jit(largest_k, static_argnums=1)(shaped, k)
+        np.testing.assert_array_equal(np.asarray(got_values).reshape(values.shape), np.asarray(values))
+        np.testing.assert_array_equal(np.asarray(got_ids).reshape(ids.shape), np.asarray(ids))
+        assert got_ids.dtype == jnp.int32
+
+
+def test_largest_k_control_the_top_entries_sit_in_one_block():
+    """Control: all the top entries in one late block, behind earlier blocks' larger-than-the-rest maxima
+    (a version that took one entry per block would fail)."""
+    x = np.zeros((1, 16 * ARGMAX_BLOCK), np.float32)
+    x[0, 10 * ARGMAX_BLOCK:10 * ARGMAX_BLOCK + 8] = np.arange(8, 0, -1)
+    x[0, 5] = 0.5
+    _, ids = largest_k(jnp.asarray(x), 9)
+    assert np.asarray(ids)[0].tolist() == [10 * ARGMAX_BLOCK + i for i in range(8)] + [5]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import retrace_jax as rj
-from retrace_jax.models.retrace import Memory, ReTraceFusion, shift_memory
+from retrace_jax.models.retrace import MIXTURE_TOP_K, Memory, ReTraceFusion, shift_memory, stale_top_k
 from tests.dflash_reference import RefDFlashDraftModel
 from tests.helpers import with_random_retrace
 
@@ -177,6 +177,27 @@ def test_the_output_mixture_starts_closed_and_its_gate_learns(qwen3, trained_dra
     stale_mass = lambda dist: sum(dist[i, j][np.asarray(ids)[i, j + 1][np.asarray(p)[i, j + 1] > 0]].sum()  # noqa
                                   for i in range(b) for j in range(w - 1))
     assert len(top) and stale_mass(q) > stale_mass(base)
+
+
+def test_stale_top_k_is_the_targets_top_tokens_renormalised_inside_the_draft_vocabulary():
+    """Against the definition in float64: the full softmax, its top ``MIXTURE_TOP_K`` tokens, those outside
+    the draft vocabulary dropped, the rest renormalised; a slot with none inside gets all zeros."""
+    rng = np.random.default_rng(0)
+    v = 3000  # the two-level top-k on CPU (more than MIXTURE_TOP_K blocks of 128)
+    logits = rng.normal(size=(2, 5, v)).astype(np.float32) * 4
+    logits[1, 2, :] = -30.0
+    logits[1, 2, 1500:1500 + MIXTURE_TOP_K] = 30.0  # its top tokens, all outside
+    inside_v = (np.arange(v) % 3 != 0) & ((np.arange(v) < 1500) | (np.arange(v) >= 1500 + MIXTURE_TOP_K))
+    to_index = lambda ids: jnp.where(jnp.asarray(inside_v)[ids], ids // 2, -1)  # noqa: E731
+    ids, p = jax.jit(lambda x: stale_top_k(x, to_index))(jnp.asarray(logits))
+    probs = np.exp(logits - logits.max(-1, keepdims=True), dtype=np.float64)
+    probs /= probs.sum(-1, keepdims=True)
+    top = np.argsort(-logits, -1, kind="stable")[..., :MIXTURE_TOP_K]
+    kept = np.where(inside_v[top], np.take_along_axis(probs, top, -1), 0.0)
+    expected = kept / np.maximum(kept.sum(-1, keepdims=True), 1e-300)
+    np.testing.assert_array_equal(np.asarray(ids), np.where(inside_v[top], top // 2, -1))
+    np.testing.assert_allclose(np.asarray(p), expected, rtol=1e-5, atol=1e-7)
+    assert not np.asarray(p)[1, 2].any() and np.isfinite(np.asarray(p)).all()
 
 
 @pytest.mark.parametrize("cfg", [rj.ReTraceConfig(), rj.ReTraceConfig(hints="tokens"),
