@@ -117,7 +117,8 @@ def program_hlo(program: str, layer_loop: str, capacity: int):
             shapes = [_cache_shape(target.cfg, 2, slots)]
         else:
             slots = 16 + capacity + 8
-            drafter = rj.init_drafter(target.cfg, mask_token_id=511, num_layers=2, block_size=8)
+            retrace = rj.ReTraceConfig(hints="tokens", mixture="target") if program == "retrace" else None
+            drafter = rj.init_drafter(target.cfg, mask_token_id=511, num_layers=2, block_size=8, retrace=retrace)
             ddef, dstate = nnx.split(drafter)
             spare = (empty_cache(target.cfg, 2, slots, target.dtype), empty_cache(drafter.cfg, 2, slots, drafter.dtype))
             lowered = speculative_generate.lower(tdef, tstate, ddef, dstate, *args, capacity=capacity, block_size=8,
@@ -129,12 +130,18 @@ def program_hlo(program: str, layer_loop: str, capacity: int):
     return _HLO[key]
 
 
-CASES = [(p, loop, c) for p in ("plain", "speculative") for loop in ("unrolled", "scan") for c in CAPACITIES]
+# "retrace": a ReTrace drafter with every memory option that adds a buffer (token hints, the mixture)
+CASES = [(p, loop, c) for p in ("plain", "speculative", "retrace") for loop in ("unrolled", "scan") for c in CAPACITIES]
+
+
+def _in_default_suite(program, layer_loop, capacity):
+    if program == "retrace":  # the same loop with the memory's buffers: one case by default
+        return layer_loop == "unrolled" and capacity == CAPACITIES[0]
+    return layer_loop == "unrolled" or capacity == CAPACITIES[0]
 
 
 @pytest.mark.parametrize("program,layer_loop,capacity", [
-    case if case[1] == "unrolled" or case[2] == CAPACITIES[0] else pytest.param(*case, marks=pytest.mark.slow)
-    for case in CASES])
+    case if _in_default_suite(*case) else pytest.param(*case, marks=pytest.mark.slow) for case in CASES])
 def test_loops_update_caches_in_place_and_read_no_whole_layer(program, layer_loop, capacity):
     hlo, shapes, layer = program_hlo(program, layer_loop, capacity)
     found = loop_copies(hlo, layer) + [c for shape in shapes for c in whole_copies(hlo, shape)]
