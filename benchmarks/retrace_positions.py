@@ -30,8 +30,20 @@ shows as such (issue: "ReTrace must never hurt").
   ReTrace drafter with its memory on against it and with its memory off against it, so a loss that sits
   in the ReTrace drafter's own DFlash weights shows by position as well:
 
-      python benchmarks/retrace_positions.py --drafter lab/drafters/C --against lab/drafters/B \
+      python benchmarks/retrace_positions.py --drafter lab/drafters/C --against lab/drafters/B \\
           --prompt-lengths 64,192,320 --out lab/results/positions_C_against_B.json
+
+  ``--against NAME=DIR`` names it (the tables then say ``on / NAME``); the option repeats, so one run
+  compares with several drafters on the same prompts.
+- ``--combine A.json B.json ...``: no decoding; the tables over seeds from earlier ``--out`` files of
+  drafters trained with different seeds (the same target, prompts and settings, and the same names for
+  the drafters compared with). Each drafter's τ is then the mean over its seeds, and a bootstrap sample
+  draws the seeds with replacement as well as the prompts (one seed draw for memory on and off, which
+  are the same drafters; one for each other drafter), so the interval holds the spread between
+  trainings too:
+
+      python benchmarks/retrace_positions.py --combine lab/results/positions_long/s0.json \\
+          lab/results/positions_long/s1.json lab/results/positions_long/s2.json
 - Targets and drafters: a directory, or for ``--target`` a name of ``rj.assets.fetch`` (the registries),
   and for ``--drafter`` ``MODEL:VARIANT`` of ``rj.assets.shipped_drafter``.
 """
@@ -106,19 +118,45 @@ def binned_tau(prompt_lens, acceptance, edges) -> np.ndarray:
 
 
 def paired_ratio(on: np.ndarray, off: np.ndarray, samples: int = 10_000, seed: int = 0,
-                 names=("on", "off")) -> dict:
-    """mean(on) / mean(off) over the prompts that have both, and its 95% percentile bootstrap interval
-    (prompts drawn with replacement, the same draw for both); the two means are ``tau_{names[i]}``."""
-    keep = ~np.isnan(on) & ~np.isnan(off)
-    on, off = on[keep], off[keep]
-    if len(on) == 0:
+                 names=("on", "off"), same_seeds: bool = True) -> dict:
+    """mean(on) / mean(off) over the prompts that have both, and its 95% percentile bootstrap interval;
+    the two means are ``tau_{names[i]}``.
+
+    ``on`` and ``off`` are ``[prompts]`` (one drafter each) or ``[seeds, prompts]`` (S drafters trained
+    with different seeds; a side's mean is the mean over its seeds). A prompt counts if every seed of both
+    sides has a value there. One bootstrap sample draws the prompts with replacement (the same draw for
+    both sides: they are paired by prompt) and each side's seeds with replacement, one draw for both
+    sides when ``same_seeds`` (the same drafters, e.g. memory on and off) and one each otherwise. With one
+    seed a side this is the bootstrap over prompts alone."""
+    on, off = np.atleast_2d(np.asarray(on, float)), np.atleast_2d(np.asarray(off, float))
+    if same_seeds and len(on) != len(off):
+        raise ValueError(f"same_seeds needs as many seeds on both sides, not {len(on)} and {len(off)}")
+    keep = ~np.isnan(on).any(0) & ~np.isnan(off).any(0)
+    on, off = on[:, keep], off[:, keep]
+    n = on.shape[1]
+    if n == 0:
         return {"prompts": 0}
     rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(on), (samples, len(on)))
-    ratios = on[idx].mean(1) / off[idx].mean(1)
+    idx = rng.integers(0, n, (samples, n))
+
+    def resampled(x, draw):  # x [S, P], draw [samples, S] -> the mean of each sample, [samples]
+        weights = np.stack([np.bincount(d, minlength=len(x)) for d in draw]) / len(x)  # [samples, S]
+        per_prompt = weights @ x  # [samples, P]: the mean over the drawn seeds
+        return np.take_along_axis(per_prompt, idx, 1).mean(1)
+
+    if len(on) == 1 and len(off) == 1:
+        ratios = on[0, idx].mean(1) / off[0, idx].mean(1)
+    else:
+        draw_on = rng.integers(0, len(on), (samples, len(on)))
+        draw_off = draw_on if same_seeds else rng.integers(0, len(off), (samples, len(off)))
+        ratios = resampled(on, draw_on) / resampled(off, draw_off)
     lo, hi = np.percentile(ratios, [2.5, 97.5])
-    return {"prompts": int(len(on)), f"tau_{names[0]}": float(on.mean()), f"tau_{names[1]}": float(off.mean()),
-            "ratio": float(on.mean() / off.mean()), "low": float(lo), "high": float(hi)}
+    tau_on, tau_off = float(on.mean()), float(off.mean())
+    out = {"prompts": int(n), f"tau_{names[0]}": tau_on, f"tau_{names[1]}": tau_off,
+           "ratio": tau_on / tau_off, "low": float(lo), "high": float(hi)}
+    if len(on) > 1 or len(off) > 1:
+        out["seeds"] = [len(on), len(off)]
+    return out
 
 
 def load_pair(target_arg: str, drafter_arg: str):
@@ -145,6 +183,82 @@ def print_table(title: str, rows: list[tuple[str, dict]], names=("on", "off")) -
                   f"| [{r['low']:.3f}, {r['high']:.3f}] |")
 
 
+def against_items(items: list[str]) -> dict[str, str]:
+    """``--against [NAME=]DIR`` items -> ``{name: dir}``; a bare DIR is named ``against``."""
+    out = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        name, path = (name, path) if sep else ("against", item)
+        if not name.isidentifier() or name in ("on", "off"):
+            raise SystemExit(f"--against {item}: NAME must be a word other than 'on' and 'off'")
+        if name in out:
+            raise SystemExit(f"--against: the name {name} is given twice")
+        out[name] = path
+    return out
+
+
+def tables(seed_runs: list[dict], bin_width: int, new_tokens: int) -> tuple[dict, list]:
+    """The on / off table and, for every other drafter X of the runs, on / X and off / X, by position range
+    and by prompt length, from the runs of one or more seeds (each ``{length: {"prompt_lens": [...],
+    method: acceptance lengths per prompt}}``, the same prompts in each). Returns the JSON's tables and
+    the printed ones."""
+    first = seed_runs[0]
+    methods = [m for m in next(iter(first.values())) if m != "prompt_lens"]
+    top = max(max(r["prompt_lens"]) for r in first.values()) + new_tokens
+    edges = np.arange(0, top + bin_width, bin_width)
+    # [seeds, prompts, ranges]; a prompt of each length is its own sample (the files repeat across
+    # lengths, the positions do not)
+    bins = {m: np.stack([np.concatenate([binned_tau(r["prompt_lens"], r[m], edges) for r in runs.values()])
+                         for runs in seed_runs]) for m in methods}
+    means = {m: {length: np.stack([[np.mean(a) for a in runs[length][m]] for runs in seed_runs])
+                 for length in first} for m in methods}
+    pairs = [("on", "off")] + [(a, b) for b in methods if b not in ("on", "off") for a in ("on", "off")]
+    result, printed = {}, []
+    for a, b in pairs:
+        same = b == "off"  # memory on and off: the same drafters, one seed draw
+        by_position = [(f"{lo}-{hi - 1}", paired_ratio(bins[a][..., k], bins[b][..., k], names=(a, b), same_seeds=same))
+                       for k, (lo, hi) in enumerate(zip(edges[:-1], edges[1:]))]
+        by_length = [(str(length or "as is"), paired_ratio(means[a][length], means[b][length], names=(a, b),
+                                                           same_seeds=same)) for length in first]
+        key = "" if (a, b) == ("on", "off") else f"_{a}_{b}"
+        result[f"by_position{key}"], result[f"by_length{key}"] = dict(by_position), dict(by_length)
+        printed.append((f"{a} / {b}, by position of the round (its block's first position)", by_position, (a, b)))
+        printed.append((f"{a} / {b}, by prompt length (whole generations)", by_length, (a, b)))
+    return result, printed
+
+
+SAME_ARGS = ("target", "prompts", "prompt_lengths", "num_prompts", "new_tokens", "bin_width")
+
+
+def combine(paths: list[str]) -> dict:
+    """The tables over the seeds of several runs of this script (one JSON each, the same target, prompts
+    and settings, and drafters of the same names): each drafter's τ is the mean over its seeds, and the
+    intervals draw seeds as well as prompts."""
+    loaded = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            loaded.append(json.load(f))
+    first = loaded[0]
+    for path, res in zip(paths[1:], loaded[1:]):
+        for key in SAME_ARGS:
+            if res["args"][key] != first["args"][key]:
+                raise SystemExit(f"{path}: {key} is {res['args'][key]!r}, {paths[0]} has {first['args'][key]!r}")
+        if res["runs"].keys() != first["runs"].keys() or any(
+                res["runs"][k].keys() != first["runs"][k].keys()
+                or res["runs"][k]["prompt_lens"] != first["runs"][k]["prompt_lens"] for k in first["runs"]):
+            raise SystemExit(f"{path}: other prompts or drafters than {paths[0]}")
+    seed_runs = [{int(length): runs for length, runs in r["runs"].items()} for r in loaded]
+    result, printed = tables(seed_runs, first["args"]["bin_width"], first["args"]["new_tokens"])
+    print(f"\n{len(paths)} seeds on {first['target']}: {first['args']['prompts']} prompts, "
+          f"{first['args']['num_prompts']} per length, {first['args']['new_tokens']} new tokens, greedy")
+    for res in loaded:
+        print(f"  drafter {res['drafter']}" + "".join(f", {m} {d}" for m, d in res.get("against", {}).items()))
+    for title, rows, names in printed:
+        print_table(title, rows, names)
+    return {"combined": paths, "drafters": [r["drafter"] for r in loaded],
+            "against": [r.get("against", {}) for r in loaded], "args": first["args"], **result}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=os.path.join(ROOT, "lab", "target"))
@@ -156,12 +270,21 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--bin-width", type=int, default=128, help="width of the position ranges")
     p.add_argument("--batch-size", type=int, default=40)
-    p.add_argument("--against", default=None, help="another drafter (a directory) to compare with, by position")
+    p.add_argument("--against", action="append", default=[], metavar="[NAME=]DIR",
+                   help="another drafter of the target to compare with, by position (repeatable; named "
+                        "'against' when NAME is not given)")
+    p.add_argument("--combine", nargs="+", default=None, metavar="JSON",
+                   help="instead of decoding: the tables over the seeds of earlier --out files")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
+    if args.combine:
+        result = combine(args.combine)
+        write(args.out, result)
+        return
     lengths = [int(x) for x in args.prompt_lengths.split(",")]
     if args.prompts == "chat" and lengths != [0]:
         p.error("--prompts chat takes the questions as they are: --prompt-lengths 0")
+    against = against_items(args.against)
     from transformers import AutoTokenizer
 
     target_dir, drafter_dir, target, drafter = load_pair(args.target, args.drafter)
@@ -172,8 +295,7 @@ def main(argv=None):
         sets = {0: chat_prompts(tokenizer, args.num_prompts)}
 
     methods = {"on": (drafter, True), "off": (drafter, False)}
-    if args.against:
-        methods["against"] = (rj.load_drafter(args.against, target), False)
+    methods.update({name: (rj.load_drafter(path, target), False) for name, path in against.items()})
     runs = {}
     for length, prompts in sets.items():
         out = {}
@@ -186,38 +308,28 @@ def main(argv=None):
                 tokens += res.tokens
                 acceptance += res.acceptance_lengths
             out[name] = (tokens, acceptance)
-            what = {"on": "memory on", "off": "memory off", "against": args.against}[name]
+            what = {"on": "memory on", "off": "memory off"}.get(name, f"{name} ({against.get(name)})")
             print(f"prompt length {length or 'as is'}, {what}: τ {np.mean([np.mean(a) for a in acceptance]):.2f} "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)
         if any(out[name][0] != out["on"][0] for name in out):
             raise SystemExit(f"prompt length {length}: the methods gave different tokens (not lossless)")
         runs[length] = {"prompt_lens": [len(x) for x in prompts], **{name: out[name][1] for name in out}}
 
-    top = max(max(r["prompt_lens"]) for r in runs.values()) + args.new_tokens
-    edges = np.arange(0, top + args.bin_width, args.bin_width)
-    bins = {name: np.concatenate([binned_tau(r["prompt_lens"], r[name], edges) for r in runs.values()])
-            for name in methods}
-    means = {name: {length: np.array([np.mean(a) for a in r[name]]) for length, r in runs.items()} for name in methods}
-    pairs = [("on", "off")] + ([("on", "against"), ("off", "against")] if args.against else [])
+    result, printed = tables([runs], args.bin_width, args.new_tokens)
     print(f"\n{drafter_dir} on {target_dir}: {args.prompts} prompts, {args.num_prompts} per length, "
           f"{args.new_tokens} new tokens, greedy; every method lossless")
-    result = {"target": target_dir, "drafter": drafter_dir, "args": vars(args)}
-    for a, b in pairs:
-        # A prompt of each length is its own sample (the files repeat across lengths, the positions do not).
-        by_position = [(f"{lo}-{hi - 1}", paired_ratio(bins[a][:, k], bins[b][:, k], names=(a, b)))
-                       for k, (lo, hi) in enumerate(zip(edges[:-1], edges[1:]))]
-        by_length = [(str(length or "as is"), paired_ratio(means[a][length], means[b][length], names=(a, b)))
-                     for length in runs]
-        other = "B" if b == "against" else b
-        print_table(f"{a} / {other}, by position of the round (its block's first position)", by_position, (a, b))
-        print_table(f"{a} / {other}, by prompt length (whole generations)", by_length, (a, b))
-        key = "" if (a, b) == ("on", "off") else f"_{a}_against"
-        result[f"by_position{key}"], result[f"by_length{key}"] = dict(by_position), dict(by_length)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({**result, "runs": {str(k): v for k, v in runs.items()}}, f)
-        print(f"wrote {args.out}")
+    for title, rows, names in printed:
+        print_table(title, rows, names)
+    write(args.out, {"target": target_dir, "drafter": drafter_dir, "against": against, "args": vars(args),
+                     **result, "runs": {str(k): v for k, v in runs.items()}})
+
+
+def write(path: str | None, result: dict) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(result, f)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

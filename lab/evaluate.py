@@ -15,6 +15,11 @@ and T = 1, both conventions, with bootstrap confidence intervals of ratios over 
 - τ is the mean number of tokens a round commits, the target's own token included. ``tau``: the mean
   over prompts of each prompt's mean over its rounds; ``tau_pooled``: all tokens over all rounds.
 - At T = 0 every method's tokens are checked against plain greedy decoding (``lossless_T0``).
+- ``--reuse FILE``: an earlier ``--out`` of the same target, prompts and settings, whose methods and
+  seeds join this run's: every seed's acceptance lengths are in the file, so a new seed is trained and
+  run alone and the comparison draws over all seeds, without the earlier drafters (a drafter seed given
+  in both is refused). At T > 0 the earlier run must have used the same ``--batch-size`` (its random
+  streams follow the batches).
 - ``--compare X/Y``: the ratio τ(X)/τ(Y) with a 95% percentile bootstrap interval. One bootstrap sample
   draws the prompts with replacement (the same draw for X and Y: they are paired by prompt) and, for a
   method with several seeds, its seeds with replacement; the ratio is then taken of the resampled means,
@@ -25,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
+import json
 import os
 import sys
 import time
@@ -105,6 +112,47 @@ def bootstrap_ratio(x: dict[int, list[list[int]]], y: dict[int, list[list[int]]]
     return out
 
 
+def _tail(path: str) -> str:
+    """The last two components of a path: the same file in another clone of the repository."""
+    return "/".join(os.path.normpath(path).split(os.sep)[-2:])
+
+
+def reusable(old: dict, new: dict, drafters: dict[str, dict[int, str]]) -> dict:
+    """Checks that the earlier result ``old`` was run on the same target, prompts and settings as ``new`` (the
+    header of this run's result) and shares no drafter seed with ``drafters``; returns ``old``. Paths are
+    compared by their last two components (another clone holds the same files elsewhere); the chosen
+    prompts by the hash of their token ids where the earlier run recorded it."""
+    checks = [(key, old.get(key), new[key]) for key in ("num_prompts", "max_new_tokens", "skipped_too_long")]
+    checks += [(key, _tail(old[key]), _tail(new[key])) for key in ("target", "prompts")]
+    if "prompt_ids_sha256" in old:
+        checks.append(("prompt_ids_sha256", old["prompt_ids_sha256"], new["prompt_ids_sha256"]))
+    for key, was, now in checks:
+        if was != now:
+            raise SystemExit(f"--reuse: the earlier run's {key} is {was!r}, this one's {now!r}")
+    for name, seeds in old["drafters"].items():
+        both = sorted(set(int(s) for s in seeds) & set(drafters.get(name, {})))
+        if both:
+            raise SystemExit(f"--reuse: {name} seed(s) {both} are in the earlier run already")
+    return old
+
+
+def merge_reused(result: dict, old: dict, key: str, batch_size: int) -> None:
+    """Adds the earlier run's methods and seeds at temperature ``key`` to ``result`` (acceptance lengths,
+    τ and the lossless counts)."""
+    if key not in old["lengths"]:
+        return
+    if key != "T=0" and old.get("batch_size") != batch_size:
+        raise SystemExit(f"--reuse at {key}: the earlier run's batch size {old.get('batch_size')} is not "
+                         f"{batch_size}, so its random streams differ")
+    for method, per_seed in old["lengths"][key].items():
+        merged = {**{int(s): v for s, v in per_seed.items()}, **result["lengths"][key].get(method, {})}
+        result["lengths"][key][method] = dict(sorted(merged.items()))
+        result["tau"][key][method] = summary(result["lengths"][key][method])
+        if key == "T=0" and method in old["lossless_T0"]:
+            now = result["lossless_T0"].get(method, {"rows": 0, "differing_from_plain": 0})
+            result["lossless_T0"][method] = {k: now[k] + old["lossless_T0"][method][k] for k in now}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=os.path.join(LAB, "target"))
@@ -117,6 +165,7 @@ def main(argv=None):
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--sampled-methods", default=None, help="methods run at T > 0 (comma separated; default: all)")
     p.add_argument("--compare", action="append", default=[], help="X/Y: bootstrap the ratio τ(X)/τ(Y)")
+    p.add_argument("--reuse", default=None, help="an earlier --out whose methods and seeds join this run's")
     p.add_argument("--bootstrap-samples", type=int, default=10_000)
     p.add_argument("--out", default=None, help="write the results as JSON here (after every run)")
     args = p.parse_args(argv)
@@ -136,14 +185,24 @@ def main(argv=None):
         methods[name] = {s: {"drafter": d} for s, d in loaded.items()}
         if all(d.cfg.retrace is not None for d in loaded.values()):
             methods[f"{name}-off"] = {s: {"drafter": d, "use_retrace": False} for s, d in loaded.items()}
+    result = {"target": args.target, "prompts": args.prompts, "num_prompts": args.num_prompts,
+              "prompt_ids_sha256": hashlib.sha256(json.dumps([[int(t) for t in q] for q in prompts]).encode()).hexdigest(),
+              "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "drafters": drafter_dirs,
+              "skipped_too_long": skipped, "tau": {}, "lossless_T0": {}, "compare": {}, "lengths": {}}
+    old = None
+    if args.reuse and args.out and os.path.abspath(args.out) == os.path.abspath(args.reuse):
+        raise SystemExit("--out must differ from --reuse: a run stopped part way would lose the earlier results")
+    if args.reuse:
+        with open(args.reuse, encoding="utf-8") as f:
+            old = reusable(json.load(f), result, drafter_dirs)
+        result["drafters"] = {name: {**{int(s): d for s, d in old["drafters"].get(name, {}).items()},
+                                     **drafter_dirs.get(name, {})} for name in {**old["drafters"], **drafter_dirs}}
+        result["reused"] = args.reuse
+    known = set(methods) | {m for per_t in (old or {}).get("lengths", {}).values() for m in per_t}
     for cmp in args.compare:
         x, slash, y = cmp.partition("/")
-        if not slash or x not in methods or y not in methods:
-            raise SystemExit(f"--compare {cmp!r}: expected X/Y with methods among {sorted(methods)}")
-
-    result = {"target": args.target, "prompts": args.prompts, "num_prompts": args.num_prompts,
-              "max_new_tokens": args.max_new_tokens, "drafters": drafter_dirs, "skipped_too_long": skipped,
-              "tau": {}, "lossless_T0": {}, "compare": {}, "lengths": {}}
+        if not slash or x not in known or y not in known:
+            raise SystemExit(f"--compare {cmp!r}: expected X/Y with methods among {sorted(known)}")
 
     def run(temp: float, kwargs: dict) -> tuple[list[list[int]], list[list[int]]]:
         lengths, tokens = [None] * len(prompts), [None] * len(prompts)
@@ -174,6 +233,9 @@ def main(argv=None):
             print(f"[{key}] {method}: tau {s['tau']:.3f} pooled {s['tau_pooled']:.3f} over {len(per_seed)} seed(s)"
                   + (f", {differing} rows differ from plain" if plain is not None else "")
                   + f" ({time.perf_counter() - start:.0f} s)", flush=True)
+            save(result, args.out, compact=True)
+        if old is not None:
+            merge_reused(result, old, key, args.batch_size)
             save(result, args.out, compact=True)
         result["compare"][key] = {}
         for cmp in args.compare:

@@ -5,11 +5,17 @@
 # steps each, then both against each other by position at prompts of 64, 192 and 320 tokens. The prompts
 # are pieces of 192-320 tokens of the standard library (lab/build_prompts.py), continued by the target
 # for 160 tokens. Every stage resumes.
-#   pip install -e '.[bench]' && bash lab/run_long.sh
-#   SEEDS="0 1 2" bash lab/run_long.sh
+# Each seed's pair is measured against each other and against the shipped B (trained on 256-token
+# sequences) in lab/results/positions_long/s<seed>.json; the seeds' files are then combined, the drafters'
+# τ the mean over their seeds and the intervals drawn over seeds as well as prompts (seeds.json).
+#   pip install -e '.[bench]' && bash lab/run_long.sh            # seeds 0, 1 and 2
+#   SEEDS=0 bash lab/run_long.sh                                 # one seed
+#   STAGE=train bash lab/run_long.sh                             # only train (STAGE=evaluate: only evaluate)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SEEDS="${SEEDS:-0}"
+SEEDS="${SEEDS:-0 1 2}"
+STAGE="${STAGE:-all}"
+case $STAGE in all|train|evaluate) ;; *) echo "STAGE must be all, train or evaluate, not $STAGE" >&2; exit 2 ;; esac
 RUNS=lab/work/long
 P=lab/work/prompts_long
 [ -f $P/train.jsonl ] || python lab/build_prompts.py --min-tokens 192 --max-tokens 320 --out $P
@@ -17,10 +23,17 @@ DATA=(--set data.prompts=$P/train.jsonl --set data.dir=lab/work/data_long --set 
       --set train.seq_len=512 --set drafter.init=lab/drafters/A)
 source lab/train_lib.sh                                      # train OUT CONFIG [--set ...]
 for s in $SEEDS; do
+  [ "$STAGE" = evaluate ] && break
   train $RUNS/B_seq512_s$s lab/configs/B.yaml "${DATA[@]}" --set train.seed=$s
   train $RUNS/C_seq512_s$s lab/configs/C.yaml "${DATA[@]}" --set train.seed=$s
 done
-python benchmarks/retrace_positions.py --drafter $RUNS/C_seq512_s0/drafter --against $RUNS/B_seq512_s0/drafter \
-    --prompt-lengths 64,192,320 --out lab/results/positions_C_seq512_against_B_seq512.json
-python benchmarks/retrace_positions.py --drafter $RUNS/C_seq512_s0/drafter --against lab/drafters/B \
-    --prompt-lengths 64,192,320 --out lab/results/positions_C_seq512_against_B.json
+[ "$STAGE" = train ] && exit 0
+OUT=lab/results/positions_long
+files=()
+for s in $SEEDS; do
+  python benchmarks/retrace_positions.py --drafter $RUNS/C_seq512_s$s/drafter \
+      --against B_seq512=$RUNS/B_seq512_s$s/drafter --against B=lab/drafters/B \
+      --prompt-lengths 64,192,320 --out $OUT/s$s.json
+  files+=($OUT/s$s.json)
+done
+python benchmarks/retrace_positions.py --combine "${files[@]}" --out $OUT/seeds.json

@@ -10,11 +10,18 @@
 #   pip install -e '.[bench]' && bash lab/run_variants.sh
 #   SEEDS="0" VARIANTS="B C_hints" bash lab/run_variants.sh       # a subset
 #   STAGE=train bash lab/run_variants.sh                         # only train (STAGE=evaluate: only evaluate)
+# The evaluation of SEEDS can join an earlier one's seeds (lab/evaluate.py --reuse: its file holds every
+# seed's acceptance lengths), so a new seed is trained and run without the earlier drafters:
+#   STAGE=train SEEDS=2 bash lab/run_variants.sh
+#   STAGE=evaluate SEEDS=2 REUSE=lab/results/variants_T0.json OUT=lab/results/variants_T0_s012.json \
+#       bash lab/run_variants.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SEEDS="${SEEDS:-0 1 2}"
 VARIANTS="${VARIANTS:-B C_paper C_agreed C_hints C_mix C_fixed}"
 STAGE="${STAGE:-all}"
+OUT="${OUT:-lab/results/variants_T0.json}"
+REUSE="${REUSE:-}"
 RUNS=lab/work/variants
 case $STAGE in all|train|evaluate) ;; *) echo "STAGE must be all, train or evaluate, not $STAGE" >&2; exit 2 ;; esac
 
@@ -51,4 +58,4 @@ for v in $VARIANTS; do
   done
   [ "$v" != B ] && args+=(--compare "$v/B" --compare "$v/$v-off")
 done
-python lab/evaluate.py "${args[@]}" --temperatures 0 --out lab/results/variants_T0.json
+python lab/evaluate.py "${args[@]}" ${REUSE:+--reuse "$REUSE"} --temperatures 0 --out "$OUT"

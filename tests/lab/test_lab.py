@@ -195,6 +195,37 @@ def test_bootstrap_ratio_of_tau_over_prompts_and_seeds():
         ev.parse_drafters(["B:one=y"])
 
 
+def test_reuse_adds_an_earlier_runs_seeds_and_refuses_other_settings():
+    """lab/evaluate.py --reuse: a new seed's lengths join the earlier run's seeds of the same method (and its
+    methods that this run does not have), τ and the lossless counts over all of them; an earlier run on
+    other prompts or settings, or a seed in both runs, is refused."""
+    ev = _load_lab("evaluate")
+    header = {"target": "/a/lab/target", "prompts": "/a/lab/work/prompts/heldout.jsonl", "num_prompts": 2,
+              "prompt_ids_sha256": "h", "max_new_tokens": 8, "skipped_too_long": 0, "batch_size": 64}
+    old = {**header, "target": "/elsewhere/lab/target", "prompts": "/elsewhere/lab/work/prompts/heldout.jsonl",
+           "drafters": {"B": {"0": "b0"}, "C": {"0": "c0"}},
+           "lengths": {"T=0": {"B": {"0": [[2, 2], [4]]}, "C": {"0": [[3], [5]]}}},
+           "lossless_T0": {"B": {"rows": 2, "differing_from_plain": 0}, "C": {"rows": 2, "differing_from_plain": 1}}}
+    assert ev.reusable(old, header, {"B": {1: "b1"}}) is old
+    result = {**header, "tau": {"T=0": {}}, "lengths": {"T=0": {"B": {1: [[1, 3], [6]]}}},
+              "lossless_T0": {"B": {"rows": 2, "differing_from_plain": 0}}}
+    result["tau"]["T=0"]["B"] = ev.summary(result["lengths"]["T=0"]["B"])
+    ev.merge_reused(result, old, "T=0", batch_size=64)
+    assert result["lengths"]["T=0"]["B"] == {0: [[2, 2], [4]], 1: [[1, 3], [6]]}
+    assert result["tau"]["T=0"]["B"]["tau"] == pytest.approx(np.mean([(2 + 4) / 2, (2 + 6) / 2]))
+    assert result["tau"]["T=0"]["C"]["tau"] == pytest.approx(4.0)  # only in the earlier run
+    assert result["lossless_T0"] == {"B": {"rows": 4, "differing_from_plain": 0},
+                                     "C": {"rows": 2, "differing_from_plain": 1}}
+    with pytest.raises(SystemExit, match="B seed"):
+        ev.reusable(old, header, {"B": {0: "again"}})
+    for key, value in (("max_new_tokens", 16), ("prompt_ids_sha256", "other"), ("prompts", "/a/other.jsonl")):
+        with pytest.raises(SystemExit, match=key):
+            ev.reusable(old, {**header, key: value}, {})
+    sampled = {**old, "batch_size": 32, "lengths": {"T=1": old["lengths"]["T=0"]}}
+    with pytest.raises(SystemExit, match="batch size"):
+        ev.merge_reused({**result, "tau": {"T=1": {}}, "lengths": {"T=1": {}}}, sampled, "T=1", batch_size=64)
+
+
 def test_shipped_lab_drafters_load_and_decode_losslessly():
     """lab/drafters/{A,B,C} load with the public API next to lab/target (C with its ReTrace module), and
     their greedy output equals the target's own."""
