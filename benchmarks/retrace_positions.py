@@ -216,7 +216,8 @@ def tables(seed_runs: list[dict], bin_width: int, new_tokens: int) -> tuple[dict
     result, printed = {}, []
     for a, b in pairs:
         same = b == "off"  # memory on and off: the same drafters, one seed draw
-        by_position = [(f"{lo}-{hi - 1}", paired_ratio(bins[a][..., k], bins[b][..., k], names=(a, b), same_seeds=same))
+        by_position = [(f"{lo}-{hi - 1}", paired_ratio(bins[a][..., k], bins[b][..., k], names=(a, b),
+                                                        same_seeds=same))
                        for k, (lo, hi) in enumerate(zip(edges[:-1], edges[1:]))]
         by_length = [(str(length or "as is"), paired_ratio(means[a][length], means[b][length], names=(a, b),
                                                            same_seeds=same)) for length in first]

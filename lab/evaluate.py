@@ -185,8 +185,9 @@ def main(argv=None):
         methods[name] = {s: {"drafter": d} for s, d in loaded.items()}
         if all(d.cfg.retrace is not None for d in loaded.values()):
             methods[f"{name}-off"] = {s: {"drafter": d, "use_retrace": False} for s, d in loaded.items()}
+    prompt_hash = hashlib.sha256(json.dumps([[int(t) for t in q] for q in prompts]).encode()).hexdigest()
     result = {"target": args.target, "prompts": args.prompts, "num_prompts": args.num_prompts,
-              "prompt_ids_sha256": hashlib.sha256(json.dumps([[int(t) for t in q] for q in prompts]).encode()).hexdigest(),
+              "prompt_ids_sha256": prompt_hash,
               "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "drafters": drafter_dirs,
               "skipped_too_long": skipped, "tau": {}, "lossless_T0": {}, "compare": {}, "lengths": {}}
     old = None
