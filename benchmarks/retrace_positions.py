@@ -64,6 +64,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "lab"))
 
 import retrace_jax as rj  # noqa: E402
+from benchmarks.speculative_eval import save  # noqa: E402
 
 
 def code_prompts(tokenizer, lengths: list[int], n: int, new_tokens: int) -> dict[int, list[list[int]]]:
@@ -260,6 +261,12 @@ def combine(paths: list[str]) -> dict:
             "against": [r.get("against", {}) for r in loaded], "args": first["args"], **result}
 
 
+def write(path: str | None, result: dict) -> None:
+    save(result, path, compact=True)  # atomic: a stopped run leaves the earlier file whole
+    if path:
+        print(f"wrote {path}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=os.path.join(ROOT, "lab", "target"))
@@ -323,14 +330,6 @@ def main(argv=None):
         print_table(title, rows, names)
     write(args.out, {"target": target_dir, "drafter": drafter_dir, "against": against, "args": vars(args),
                      **result, "runs": {str(k): v for k, v in runs.items()}})
-
-
-def write(path: str | None, result: dict) -> None:
-    if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(result, f)
-        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

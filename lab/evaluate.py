@@ -169,6 +169,8 @@ def main(argv=None):
     p.add_argument("--bootstrap-samples", type=int, default=10_000)
     p.add_argument("--out", default=None, help="write the results as JSON here (after every run)")
     args = p.parse_args(argv)
+    if args.reuse and args.out and os.path.abspath(args.out) == os.path.abspath(args.reuse):
+        p.error("--out must differ from --reuse: a run stopped part way would lose the earlier results")
 
     target = rj.load_target(args.target)
     tokenizer = load_tokenizer(args.target)
@@ -191,8 +193,6 @@ def main(argv=None):
               "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "drafters": drafter_dirs,
               "skipped_too_long": skipped, "tau": {}, "lossless_T0": {}, "compare": {}, "lengths": {}}
     old = None
-    if args.reuse and args.out and os.path.abspath(args.out) == os.path.abspath(args.reuse):
-        raise SystemExit("--out must differ from --reuse: a run stopped part way would lose the earlier results")
     if args.reuse:
         with open(args.reuse, encoding="utf-8") as f:
             old = reusable(json.load(f), result, drafter_dirs)
