@@ -1,5 +1,5 @@
-"""The accelerator check: decode speed against the memory roofline, round cost, prefill, compile times and
-kernel parity, on Qwen3-4B- and Qwen3-8B-shaped random weights with the published 5-layer, block-16
+"""The accelerator check: ``rj.generate`` end to end (plain and speculative), decode speed against the
+memory roofline, round cost, prefill, compile times and kernel parity, on Qwen3-4B- and Qwen3-8B-shaped random weights with the published 5-layer, block-16
 drafter. Run through ``scripts/device_check.sh``, which writes ``device_check.json`` and
 ``device_check.md``.
 
@@ -31,6 +31,7 @@ import retrace_jax as rj  # noqa: E402
 from benchmarks.report import median_ms_from  # noqa: E402
 from retrace_jax.attention import (  # noqa: E402
     PALLAS_GPU_MAX_T,
+    auto_cached,
     cached_attention,
     fresh_attention,
     reference_attention,
@@ -142,7 +143,7 @@ def decode_rows(name, target, drafter, block_size, batches, context, steps, dtyp
                  "vs_plain_step": round(round_ms / plain_ms, 2), "compile_s": round(c_round, 1),
                  "break_even_tau": round(round_ms / plain_ms, 2),
                  f"speedup_at_tau_{PUBLISHED_TAU}": round(PUBLISHED_TAU * plain_ms / round_ms, 2)})
-    for attention in kernels("decode")[1:]:  # decode kernels against the default ("auto": chunked) rows above
+    for attention in decode_alternatives():  # other decode paths against the default ("auto") rows above
         for row in [r for r in rows if r["what"] == "plain decode step" and r["batch"] in (1, 8)]:
             what = f"plain decode step ({attention})"
             try:
@@ -181,6 +182,40 @@ def kernels(kind: str = "prefill") -> tuple[str, ...]:
     return ("chunked",) if kernel is None else ("chunked", kernel)
 
 
+def decode_alternatives() -> tuple[str, ...]:
+    """The decode paths timed against ``"auto"``: the chunked walk where ``"auto"`` is not it (a GPU), then
+    the decode kernels."""
+    walk = ("chunked",) if auto_cached(1, 1, 1, 1) != "chunked" else ()
+    return walk + kernels("decode")[1:]
+
+
+def generate_rows(name, target, drafter, context, new_tokens, repeats):
+    """``rj.generate`` as users call it (one program; every choice ``"auto"``), plain and speculative, batch
+    1: milliseconds per new token, the median of ``repeats`` calls after a compiling one. The drafter's
+    weights are random, so nearly every round commits one token: the speculative row is what a round
+    costs against a plain step."""
+    prompt = [[(7 * i) % 1000 + 1 for i in range(context)]]
+    rows, outputs = [], {}
+    for kind, d in (("plain", None), ("speculative", drafter)):
+        def run(d=d):
+            return rj.generate(target, prompt, new_tokens, drafter=d)
+
+        c = compile_s(lambda: run().tokens)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            outputs[kind] = run()
+            times.append(time.perf_counter() - start)
+        ms = 1e3 * sorted(times)[len(times) // 2] / new_tokens
+        rounds = sum(len(a) for a in outputs[kind].acceptance_lengths) or new_tokens
+        rows.append({"model": name, "what": f"generate ({kind}), {new_tokens} new tokens", "batch": 1,
+                     "context": context, "ms": round(ms, 3), "tokens_per_s": round(1e3 / ms, 1),
+                     "ms_per_round": round(ms * new_tokens / rounds, 3), "compile_s": round(c, 1)})
+    rows[-1]["vs_plain_step"] = round(rows[-1]["ms_per_round"] / rows[0]["ms"], 2)
+    rows[-1]["same_tokens"] = outputs["speculative"].tokens == outputs["plain"].tokens
+    return rows
+
+
 def prefill_rows(name, target, lengths, repeats):
     rows = []
     tdef, tstate = nnx.split(target)
@@ -208,12 +243,13 @@ def parity_rows(dtype):
     rows = []
     rng = np.random.default_rng(0)
     for t, s, limit in ((1, 4096, 3000), (16, 4096, 1500), (512, 2048, None)):
-        k = jnp.asarray(rng.standard_normal((1, 2, s, 8, 128)), dtype)
-        v = jnp.asarray(rng.standard_normal((1, 2, s, 8, 128)), dtype)
+        k = jnp.asarray(rng.standard_normal((1, 2, 8, s, 128)), dtype)  # a one-layer cache [L, B, K, S, D]
+        v = jnp.asarray(rng.standard_normal((1, 2, 8, s, 128)), dtype)
         q = jnp.asarray(rng.standard_normal((2, t, 32, 128)), dtype)
         lim = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) + (limit or 1), (2, t))
         mask = jnp.arange(s)[None, None, :] < lim[:, :, None]
-        want = reference_attention(q.astype(jnp.float32), k[0].astype(jnp.float32), v[0].astype(jnp.float32), mask)
+        k_bskd, v_bskd = (x[0].swapaxes(1, 2).astype(jnp.float32) for x in (k, v))
+        want = reference_attention(q.astype(jnp.float32), k_bskd, v_bskd, mask)
         for attention in ("auto",) + (kernels("decode")[1:] if t <= PALLAS_GPU_MAX_T else ()):
             try:
                 got = jax.jit(lambda q, k, v, lim, attention=attention: cached_attention(
@@ -256,6 +292,9 @@ def main():
                    help="add the Pallas kernels' rows in Pallas' interpret mode on any backend (slow; checks this "
                         "script's kernel rows on a CPU before a device runs them)")
     p.add_argument("--budget-s", type=float, default=420, help="skip what is left after this many seconds")
+    p.add_argument("--batches", default=None, help="plain decode batch sizes (default 1,8,32; smoke: 1,4)")
+    p.add_argument("--prefill-lengths", default=None, help="prompt lengths of the prefill rows (default "
+                   "8192,32768; smoke: 512,2048)")
     args = p.parse_args()
     stack = contextlib.ExitStack()  # held until main returns
     if args.pallas_interpret:
@@ -264,11 +303,28 @@ def main():
     device = jax.devices()[0]
     dtype = jnp.float32 if args.smoke or device.platform == "cpu" else jnp.bfloat16
     presets = ["smoke"] if args.smoke else args.presets.split(",")
-    batches, context, steps = ((1, 4), 64, 5) if args.smoke else ((1, 8, 32), 1024, 20)
+    batches, context, steps, new_tokens = ((1, 4), 64, 5, 24) if args.smoke else ((1, 8, 32), 1024, 20, 128)
     lengths = (512, 2048) if args.smoke else (8192, 32768)
+    batches = batches if args.batches is None else tuple(int(x) for x in args.batches.split(","))
+    lengths = lengths if args.prefill_lengths is None else tuple(int(x) for x in args.prefill_lengths.split(","))
     gbs = bandwidth(device)
-    rows = parity_rows(dtype) if not args.smoke else parity_rows(jnp.float32)
-    skipped = []
+    rows, skipped = [], []
+
+    def write(final=False):  # after every stage, so that a check stopped by its time limit keeps its rows
+        header = (f"Device check on {device.device_kind} ({device.platform}), {jnp.dtype(dtype).name}, jax "
+                  f"{jax.__version__}; HBM {gbs or 'unknown'} GB/s; {time.perf_counter() - start:.0f} s"
+                  + (f"; skipped (time budget): {', '.join(skipped)}" if skipped else "")
+                  + ("" if final else "; unfinished"))
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, "device_check.json"), "w") as f:
+            json.dump({"header": header, "rows": rows}, f, indent=2)
+        text = markdown(rows, header)
+        with open(os.path.join(args.out_dir, "device_check.md"), "w") as f:
+            f.write(text)
+        return text
+
+    rows += parity_rows(jnp.float32 if args.smoke else dtype)
+    write()
     for name in presets:
         if time.perf_counter() - start > args.budget_s:
             skipped.append(name)
@@ -277,19 +333,14 @@ def main():
         target = tiny_target(cfg=cfg, dtype=dtype)
         drafter = rj.init_drafter(cfg, mask_token_id=cfg.vocab_size - 1, num_layers=drafter_layers,
                                   block_size=block_size, dtype=dtype)
+        rows += generate_rows(name, target, drafter, context, new_tokens, 3)
+        write()
         rows += decode_rows(name, target, drafter, block_size, batches, context, steps, dtype, gbs)
+        write()
         rows += prefill_rows(name, target, lengths, 3)
+        write()
         del target, drafter
-    header = (f"Device check on {device.device_kind} ({device.platform}), {jnp.dtype(dtype).name}, jax {jax.__version__}"
-              f"; HBM {gbs or 'unknown'} GB/s; {time.perf_counter() - start:.0f} s"
-              + (f"; skipped (time budget): {', '.join(skipped)}" if skipped else ""))
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "device_check.json"), "w") as f:
-        json.dump({"header": header, "rows": rows}, f, indent=2)
-    text = markdown(rows, header)
-    with open(os.path.join(args.out_dir, "device_check.md"), "w") as f:
-        f.write(text)
-    print(text)
+    print(write(final=True))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ Two implementations share one meaning:
 - ``"dense"``: the reference over the whole cache; for tests and tiny caches.
 - ``"cudnn"``: the prefill of an empty cache through cuDNN's flash attention,
   ``jax.nn.dot_product_attention`` (NVIDIA GPUs, bfloat16 or float16); every other call (decode, verify,
-  draft) stays chunked: see :func:`fresh_attention`.
+  draft) runs as ``"auto"`` runs it: see :func:`fresh_attention`.
 - ``"pallas_gpu"``: decode, verify and draft calls (at most :data:`PALLAS_GPU_MAX_T` queries per row)
   through JAX's Pallas GPU decode kernel (``jax.experimental.pallas.ops.gpu.decode_attention.gqa``,
   flash-decoding with per-row lengths), over the slots that every query of a row sees; the few slots
@@ -50,8 +50,14 @@ Two implementations share one meaning:
   other call stays chunked. JAX's TPU ragged paged attention kernel is not used because it does not run
   in Pallas' interpret mode on CPU, where the tests run; the paged one computes in bfloat16 over a
   head-major page layout.
-- ``"auto"``: ``"chunked"``. A kernel becomes the default on a device only after
-  ``scripts/device_check.sh`` has checked and timed it there.
+- ``"auto"``: on a GPU, ``"dense"`` for calls of at most :data:`DENSE_MAX_T` queries per row (decode,
+  verify, draft) whose float32 scores stay under :data:`DENSE_MAX_SCORES`, and ``"cudnn"`` for the
+  prefill of an empty cache in bfloat16 or float16 (head dims up to 128 in steps of 8); ``"chunked"``
+  for everything else and on every other backend. On an H200 the walk's loop and branch per chunk cost a
+  host round trip each, about 10 ms per decode step of a 36-layer model, several times the step's
+  weight reads, while the dense scores of a decode call over every slot cost less than the loop; see
+  docs/performance.md, "Accelerators". A choice changes here only after ``scripts/device_check.sh`` has
+  checked and timed it on the device.
 
 The Pallas kernels run on their device, or anywhere in interpret mode inside :func:`pallas_interpret`.
 The score and softmax arithmetic is float32 whatever the cache dtype (the Pallas GPU kernel's matmuls use
@@ -76,10 +82,32 @@ PALLAS_GPU_MAX_T = 64  # queries per row up to which "pallas_gpu" uses the decod
 KV_CHUNK = 512  # cache slots per chunk; caches longer than this are allocated in multiples of it
 SMALL_CHUNK = 128  # ... and caches of up to KV_CHUNK slots in multiples of this, walked in chunks of it
 Q_CHUNK = 512  # queries per chunk (prefill)
+DENSE_MAX_T = 64  # queries per row up to which "auto" is "dense" on a GPU ...
+DENSE_MAX_SCORES = 2**29  # ... while a call's float32 scores (B * H * T * S) stay within this (2 GiB)
 
-__all__ = ["FRESH_KERNELS", "IMPLEMENTATIONS", "KV_CHUNK", "PALLAS_GPU_MAX_T", "Q_CHUNK", "SMALL_CHUNK",
-           "attention_beside_context", "cache_slots", "cached_attention", "fresh_attention", "pallas_interpret",
-           "reference_attention", "walk_chunk"]
+__all__ = ["DENSE_MAX_SCORES", "DENSE_MAX_T", "FRESH_KERNELS", "IMPLEMENTATIONS", "KV_CHUNK", "PALLAS_GPU_MAX_T",
+           "Q_CHUNK", "SMALL_CHUNK", "attention_beside_context", "auto_cached", "auto_fresh", "cache_slots",
+           "cached_attention", "fresh_attention", "pallas_interpret", "reference_attention", "walk_chunk"]
+
+
+def auto_cached(b: int, t: int, h: int, s: int, backend: str | None = None) -> str:
+    """What ``"auto"`` runs for ``T`` queries per row of ``B`` rows and ``H`` heads over ``S`` cache slots:
+    ``"dense"`` on a GPU for decode-sized calls (no loop, no branch: each would cost a host round trip
+    per chunk and layer there), else ``"chunked"``."""
+    backend = backend or jax.default_backend()
+    if backend == "gpu" and t <= DENSE_MAX_T and b * h * t * s <= DENSE_MAX_SCORES:
+        return "dense"
+    return "chunked"
+
+
+def auto_fresh(dtype, d: int, backend: str | None = None) -> str | None:
+    """The kernel that ``"auto"`` runs the prefill of an empty cache with (see :func:`fresh_attention`), or
+    None to attend through the cache as any other call: cuDNN's flash attention on a GPU for bfloat16 or
+    float16 activations and head dims it takes (up to 128, in steps of 8)."""
+    backend = backend or jax.default_backend()
+    if backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and d % 8 == 0 and d <= 128:
+        return "cudnn"
+    return None
 
 
 def cache_slots(n: int, chunk: int = KV_CHUNK) -> int:
@@ -121,7 +149,9 @@ def cached_attention(q_bthd, k_lbksd, v_lbksd, layer, limit_bt, extra_k_bekd=Non
     every query sees the slots from 0."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    if implementation == "dense":  # "cudnn" and "pallas_tpu" have kernels for fresh prefills only; here chunked
+    if implementation in ("auto", "cudnn"):  # "cudnn" has a kernel for fresh prefills only: the rest as "auto"
+        implementation = auto_cached(q_bthd.shape[0], q_bthd.shape[1], q_bthd.shape[2], k_lbksd.shape[3])
+    if implementation == "dense":  # "pallas_tpu" has a kernel for fresh prefills only: here chunked
         return dense_cached(q_bthd, k_lbksd, v_lbksd, layer, limit_bt, extra_k_bekd, extra_v_bekd, start_bt,
                             extra_valid_be)
     if implementation in ("pallas_gpu", "pallas_tpu"):

@@ -13,7 +13,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from retrace_jax.attention import FRESH_KERNELS, attention_beside_context, cached_attention, fresh_attention
+from retrace_jax.attention import (
+    FRESH_KERNELS,
+    attention_beside_context,
+    auto_fresh,
+    cached_attention,
+    fresh_attention,
+)
 from retrace_jax.models.config import ModelConfig
 from retrace_jax.models.kv_cache import KVCache
 from retrace_jax.models.layers import DecoderBlock, RMSNorm, linear
@@ -182,8 +188,10 @@ class TargetModel(nnx.Module):
         def attend_at(layer, cache):
             def attend(q, k, v):
                 cache_ = cache.write(layer, k, v, offsets)
-                if fresh and attention in FRESH_KERNELS:
-                    return fresh_attention(q, k, v, attention), cache_
+                kernel = attention if attention in FRESH_KERNELS else (
+                    auto_fresh(q.dtype, q.shape[-1]) if attention == "auto" else None)
+                if fresh and kernel is not None:
+                    return fresh_attention(q, k, v, kernel), cache_
                 return cached_attention(q, cache_.k, cache_.v, layer, positions + 1, implementation=attention), cache_
 
             return attend

@@ -164,3 +164,20 @@ def test_a_long_cache_walks_its_filled_tail_in_small_chunks():
     poisoned = cached_attention(q, k.at[:, :, :, tail_end:].set(jnp.nan),
                                 v.at[:, :, :, tail_end:].set(jnp.nan), 0, limit)
     np.testing.assert_array_equal(np.asarray(clean), np.asarray(poisoned))
+
+
+def test_what_auto_runs_on_each_backend():
+    """On a GPU, decode-sized calls run dense (no loop or branch per chunk: a host round trip each there)
+    and a bfloat16 or float16 prefill through cuDNN; everything else, and every call elsewhere, chunked."""
+    from retrace_jax.attention import DENSE_MAX_SCORES, DENSE_MAX_T, auto_cached, auto_fresh
+
+    assert auto_cached(1, 1, 32, 4096, backend="gpu") == "dense"
+    assert auto_cached(8, 16, 32, 4096, backend="gpu") == "dense"
+    assert auto_cached(1, DENSE_MAX_T + 1, 32, 4096, backend="gpu") == "chunked"  # a prefill
+    assert auto_cached(32, 16, 32, DENSE_MAX_SCORES // (32 * 16 * 32) + 1, backend="gpu") == "chunked"
+    assert auto_cached(1, 1, 32, 4096, backend="cpu") == auto_cached(1, 1, 32, 4096, backend="tpu") == "chunked"
+    assert auto_cached(1, 1, 32, 4096) == "chunked"  # this machine
+    assert auto_fresh(jnp.bfloat16, 128, backend="gpu") == auto_fresh(jnp.float16, 64, backend="gpu") == "cudnn"
+    assert auto_fresh(jnp.float32, 128, backend="gpu") is None
+    assert auto_fresh(jnp.bfloat16, 256, backend="gpu") is None
+    assert auto_fresh(jnp.bfloat16, 128, backend="tpu") is None

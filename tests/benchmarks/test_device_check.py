@@ -21,5 +21,7 @@ def test_device_check_smoke(tmp_path):
     assert {"plain decode step", "speculative round", "prefill (chunked)"} <= whats
     assert not [r for r in rows if "error" in r]
     assert any(w.startswith("verify pass") for w in whats)
+    spec = [r for r in rows if r["what"].startswith("generate (speculative")]
+    assert len(spec) == 1 and spec[0]["same_tokens"] is True  # lossless in float32, also with a random drafter
     assert all(float(r["max_abs_err"]) < 1e-4 for r in rows if "max_abs_err" in r)
     assert (tmp_path / "device_check.md").read_text().count("|") > 20

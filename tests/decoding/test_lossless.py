@@ -138,3 +138,27 @@ def test_a_broken_verify_mask_is_caught(target, oracle, monkeypatch):
     finally:
         monkeypatch.undo()
         jax.clear_caches()
+
+
+def test_what_auto_runs_on_a_gpu_is_lossless(monkeypatch):
+    """``attention="auto"`` with a GPU's choices (dense decode, verify and draft calls; the prefill through
+    the fresh kernel, here its XLA stand-in) gives the tokens of plain decoding with this machine's
+    choices (chunked), and the calls went through those choices. The target has a size of its own, so
+    that no program traced with this machine's choices is reused."""
+    import dataclasses
+
+    import retrace_jax.attention as attention_module
+    from retrace_jax.models.tiny import TINY_QWEN3
+
+    target = tiny_target(cfg=dataclasses.replace(TINY_QWEN3, num_layers=3))
+    oracle = Oracle.build(target, PROMPTS, NEW, BLOCK)  # plain decoding, chunked
+    real, taken = attention_module.auto_cached, []
+
+    def on_gpu(b, t, h, s, backend=None):
+        taken.append(real(b, t, h, s, backend="gpu"))
+        return taken[-1]
+
+    monkeypatch.setattr(attention_module, "auto_cached", on_gpu)
+    monkeypatch.setattr(target_module, "auto_fresh", lambda dtype, d: taken.append("fresh") or "xla")
+    check(rj.generate(target, PROMPTS, NEW, drafter=oracle.drafter), oracle)
+    assert {"dense", "fresh"} <= set(taken)
