@@ -37,6 +37,7 @@ from retrace_jax.attention import (  # noqa: E402
     reference_attention,
 )
 from retrace_jax.attention.kernels import interpreting, pallas_interpret  # noqa: E402
+from retrace_jax.decoding.layer_loop import decode_weights, merge_target  # noqa: E402
 from retrace_jax.decoding.plain import plain_init, plain_step  # noqa: E402
 from retrace_jax.decoding.programs import compile_seconds  # noqa: E402
 from retrace_jax.decoding.sampling import SamplingParams  # noqa: E402
@@ -80,8 +81,10 @@ def weight_bytes(module) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
 
 
-def plain_step_ms(tdef, tstate, batch, context, steps, attention="auto"):
-    """Milliseconds per plain decode step at ``batch`` rows of ``context`` tokens, and the compile time."""
+def plain_step_ms(tdef, tstate, batch, context, steps, attention="auto", layer_loop="scan"):
+    """Milliseconds per plain decode step at ``batch`` rows of ``context`` tokens, and the compile time;
+    ``layer_loop="unrolled"`` runs the layers over per-layer copies of the weights, as ``generate`` can."""
+    kept = decode_weights(nnx.merge(tdef, tstate), layer_loop, tstate)
     sampling = SamplingParams.make()
     stops = jnp.full((8,), -1, jnp.int32)
     tokens = jnp.ones((batch, context), jnp.int32)
@@ -89,13 +92,14 @@ def plain_step_ms(tdef, tstate, batch, context, steps, attention="auto"):
     # cache slots (context + capacity) a multiple of 64, so that "pallas_gpu" runs its kernel rather than
     # falling back to chunked (its blocks tile the slots) also at the smoke run's small sizes
     capacity = -(-(context + 4 * steps + 64) // 64) * 64 - context
-    init = jax.jit(lambda s, t: plain_init(nnx.merge(tdef, s), t, lens, live, 10**6, stops, sampling,
-                                           capacity=capacity, attention=attention))
-    step = jax.jit(lambda s, consts, c: plain_step(nnx.merge(tdef, s), consts, c), donate_argnums=2)
-    c_init = compile_s(lambda: init(tstate, tokens))
-    consts, carry = init(tstate, tokens)
+    init = jax.jit(lambda s, kept, t: plain_init(merge_target(tdef, s, layer_loop, kept), t, lens, live, 10**6, stops,
+                                                 sampling, capacity=capacity, attention=attention))
+    step = jax.jit(lambda s, kept, consts, c: plain_step(merge_target(tdef, s, layer_loop, kept), consts, c),
+                   donate_argnums=3)
+    c_init = compile_s(lambda: init(tstate, kept, tokens))
+    consts, carry = init(tstate, kept, tokens)
     with compile_seconds() as stages:  # the first call compiles the step
-        ms = median_ms_from(lambda c: step(tstate, consts, c), carry, steps)
+        ms = median_ms_from(lambda c: step(tstate, kept, consts, c), carry, steps)
     return ms, c_init + sum(stages.values())
 
 
@@ -143,6 +147,10 @@ def decode_rows(name, target, drafter, block_size, batches, context, steps, dtyp
                  "vs_plain_step": round(round_ms / plain_ms, 2), "compile_s": round(c_round, 1),
                  "break_even_tau": round(round_ms / plain_ms, 2),
                  f"speedup_at_tau_{PUBLISHED_TAU}": round(PUBLISHED_TAU * plain_ms / round_ms, 2)})
+    ms, compile_time = plain_step_ms(tdef, tstate, 1, context, steps, layer_loop="unrolled")
+    rows.append({"model": name, "what": "plain decode step (unrolled layers)", "batch": 1, "context": context,
+                 "ms": round(ms, 3), "tokens_per_s": round(1e3 / ms, 1), "vs_auto": round(ms / plain_ms, 2),
+                 "compile_s": round(compile_time, 1)})
     for attention in decode_alternatives():  # other decode paths against the default ("auto") rows above
         for row in [r for r in rows if r["what"] == "plain decode step" and r["batch"] in (1, 8)]:
             what = f"plain decode step ({attention})"
@@ -213,6 +221,27 @@ def generate_rows(name, target, drafter, context, new_tokens, repeats):
                      "ms_per_round": round(ms * new_tokens / rounds, 3), "compile_s": round(c, 1)})
     rows[-1]["vs_plain_step"] = round(rows[-1]["ms_per_round"] / rows[0]["ms"], 2)
     rows[-1]["same_tokens"] = outputs["speculative"].tokens == outputs["plain"].tokens
+    return rows
+
+
+def lossless_rows(name, cfg, block_size, new_tokens):
+    """Greedy speculative decoding against plain decoding, token for token, on a 4-layer model of the
+    preset's shape with random weights, in float32 and bfloat16, through ``"auto"`` and ``"chunked"``:
+    float32 must agree on every path; where bfloat16 does not, its rounding (a verify pass of
+    ``block_size`` rows against steps of one) decides ties that float32 does not have."""
+    cfg = dataclasses.replace(cfg, num_layers=4)
+    prompt = [[(7 * i) % 1000 + 1 for i in range(64)], [(11 * i) % 997 + 3 for i in range(40)]]
+    rows = []
+    for dtype in (jnp.float32, jnp.bfloat16):
+        target = tiny_target(cfg=cfg, dtype=dtype)
+        drafter = rj.init_drafter(cfg, mask_token_id=cfg.vocab_size - 1, num_layers=1, block_size=block_size,
+                                  dtype=dtype)
+        for attention in ("auto", "chunked"):
+            plain = rj.generate(target, prompt, new_tokens, attention=attention).tokens
+            spec = rj.generate(target, prompt, new_tokens, drafter=drafter, attention=attention).tokens
+            first = next((i for i, (a, b) in enumerate(zip(plain[0] + plain[1], spec[0] + spec[1])) if a != b), None)
+            rows.append({"model": f"{name}, 4 layers", "what": f"lossless ({attention})", "dtype": jnp.dtype(dtype).name,
+                         "batch": 2, "same_tokens": plain == spec, "first_difference": first})
     return rows
 
 
@@ -340,6 +369,8 @@ def main():
         rows += prefill_rows(name, target, lengths, 3)
         write()
         del target, drafter
+        rows += lossless_rows(name, cfg, block_size, new_tokens // 2)
+        write()
     print(write(final=True))
 
 

@@ -23,5 +23,8 @@ def test_device_check_smoke(tmp_path):
     assert any(w.startswith("verify pass") for w in whats)
     spec = [r for r in rows if r["what"].startswith("generate (speculative")]
     assert len(spec) == 1 and spec[0]["same_tokens"] is True  # lossless in float32, also with a random drafter
+    lossless = {(r["dtype"], r["what"]): r["same_tokens"] for r in rows if r["what"].startswith("lossless")}
+    assert lossless[("float32", "lossless (auto)")] is lossless[("float32", "lossless (chunked)")] is True
+    assert len(lossless) == 4
     assert all(float(r["max_abs_err"]) < 1e-4 for r in rows if "max_abs_err" in r)
     assert (tmp_path / "device_check.md").read_text().count("|") > 20
