@@ -324,6 +324,8 @@ def main():
     p.add_argument("--batches", default=None, help="plain decode batch sizes (default 1,8,32; smoke: 1,4)")
     p.add_argument("--prefill-lengths", default=None, help="prompt lengths of the prefill rows (default "
                    "8192,32768; smoke: 512,2048)")
+    p.add_argument("--lossless-only", action="store_true", help="only the lossless rows (plain against "
+                   "speculative tokens in float32 and bfloat16) of each preset")
     args = p.parse_args()
     stack = contextlib.ExitStack()  # held until main returns
     if args.pallas_interpret:
@@ -352,13 +354,17 @@ def main():
             f.write(text)
         return text
 
-    rows += parity_rows(jnp.float32 if args.smoke else dtype)
-    write()
+    if not args.lossless_only:
+        rows += parity_rows(jnp.float32 if args.smoke else dtype)
+        write()
     for name in presets:
         if time.perf_counter() - start > args.budget_s:
             skipped.append(name)
             continue
         cfg, drafter_layers, block_size = PRESETS[name]
+        if args.lossless_only:
+            rows += lossless_rows(name, cfg, block_size, new_tokens // 2)
+            continue
         target = tiny_target(cfg=cfg, dtype=dtype)
         drafter = rj.init_drafter(cfg, mask_token_id=cfg.vocab_size - 1, num_layers=drafter_layers,
                                   block_size=block_size, dtype=dtype)
