@@ -1,7 +1,7 @@
 """The accelerator check: ``rj.generate`` end to end (plain and speculative), decode speed against the
-memory roofline, round cost, prefill, compile times and kernel parity, on Qwen3-4B- and Qwen3-8B-shaped random weights with the published 5-layer, block-16
-drafter. Run through ``scripts/device_check.sh``, which writes ``device_check.json`` and
-``device_check.md``.
+memory roofline, round cost, prefill, compile times, kernel parity and plain against speculative tokens,
+on Qwen3-4B- and Qwen3-8B-shaped random weights with the published 5-layer, block-16 drafter. Run through
+``scripts/device_check.sh``, which writes ``device_check.json`` and ``device_check.md``.
 
     python benchmarks/device_check.py --out-dir results/        # on a GPU or TPU (bf16)
     python benchmarks/device_check.py --smoke --out-dir /tmp/x   # any machine: tiny shapes, a few minutes
@@ -239,9 +239,11 @@ def lossless_rows(name, cfg, block_size, new_tokens):
         for attention in ("auto", "chunked"):
             plain = rj.generate(target, prompt, new_tokens, attention=attention).tokens
             spec = rj.generate(target, prompt, new_tokens, drafter=drafter, attention=attention).tokens
-            first = next((i for i, (a, b) in enumerate(zip(plain[0] + plain[1], spec[0] + spec[1])) if a != b), None)
-            rows.append({"model": f"{name}, 4 layers", "what": f"lossless ({attention})", "dtype": jnp.dtype(dtype).name,
-                         "batch": 2, "same_tokens": plain == spec, "first_difference": first})
+            pairs = zip(plain[0] + plain[1], spec[0] + spec[1])
+            first = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+            rows.append({"model": f"{name}, 4 layers", "what": f"lossless ({attention})",
+                         "dtype": jnp.dtype(dtype).name, "batch": 2, "same_tokens": plain == spec,
+                         "first_difference": first})
     return rows
 
 

@@ -54,7 +54,7 @@ Two implementations share one meaning:
   verify, draft) whose float32 scores stay under :data:`DENSE_MAX_SCORES`, and ``"cudnn"`` for the
   prefill of an empty cache in bfloat16 or float16 (head dims up to 128 in steps of 8); ``"chunked"``
   for everything else and on every other backend. On an H200 the walk's loop and branch per chunk cost a
-  host round trip each, about 10 ms per decode step of a 36-layer model, several times the step's
+  host round trip each, about 12 ms per decode step of a 36-layer model, several times the step's
   weight reads, while the dense scores of a decode call over every slot cost less than the loop; see
   docs/performance.md, "Accelerators". A choice changes here only after ``scripts/device_check.sh`` has
   checked and timed it on the device.
