@@ -40,7 +40,9 @@ shows as such (issue: "ReTrace must never hurt").
   the drafters compared with). Each drafter's τ is then the mean over its seeds, and a bootstrap sample
   draws the seeds with replacement as well as the prompts (one seed draw for memory on and off, which
   are the same drafters; one for each other drafter), so the interval holds the spread between
-  trainings too:
+  trainings too. A drafter compared with in one file only (``--against`` given with one seed's run: a
+  fixed drafter such as a shipped one) joins every seed with that file's rounds, which decoding it again
+  would reproduce:
 
       python benchmarks/retrace_positions.py --combine lab/results/positions_long/s0.json \\
           lab/results/positions_long/s1.json lab/results/positions_long/s2.json
@@ -232,6 +234,27 @@ def tables(seed_runs: list[dict], bin_width: int, new_tokens: int) -> tuple[dict
 SAME_ARGS = ("target", "prompts", "prompt_lengths", "num_prompts", "new_tokens", "bin_width")
 
 
+def share_fixed_drafters(paths: list[str], loaded: list[dict]) -> None:
+    """A drafter compared with in some of the files only (a fixed one, such as a shipped drafter, decoded
+    with one seed's run) joins the others with the same rounds, as decoding it again on the same prompts
+    would give them (greedy decoding is deterministic). Every file that has it names the same directory."""
+    fixed = {name for res in loaded for name in res.get("against", {})
+             if any(name not in other.get("against", {}) for other in loaded)}
+    for name in sorted(fixed):
+        having = [(path, res) for path, res in zip(paths, loaded) if name in res.get("against", {})]
+        src_path, src = having[0]
+        for path, res in having[1:]:
+            if res["against"][name] != src["against"][name]:
+                raise SystemExit(f"{path}: {name} is {res['against'][name]}, {src_path} has {src['against'][name]}; "
+                                 f"a drafter missing from some files must be the same drafter in the others")
+        for res in loaded:
+            if name not in res.get("against", {}):
+                res.setdefault("against", {})[name] = src["against"][name]
+                for length, runs in res["runs"].items():
+                    if length in src["runs"] and runs["prompt_lens"] == src["runs"][length]["prompt_lens"]:
+                        runs[name] = src["runs"][length][name]
+
+
 def combine(paths: list[str]) -> dict:
     """The tables over the seeds of several runs of this script (one JSON each, the same target, prompts
     and settings, and drafters of the same names): each drafter's τ is the mean over its seeds, and the
@@ -240,6 +263,7 @@ def combine(paths: list[str]) -> dict:
     for path in paths:
         with open(path, encoding="utf-8") as f:
             loaded.append(json.load(f))
+    share_fixed_drafters(paths, loaded)
     first = loaded[0]
     for path, res in zip(paths[1:], loaded[1:]):
         for key in SAME_ARGS:

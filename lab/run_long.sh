@@ -5,9 +5,10 @@
 # steps each, then both against each other by position at prompts of 64, 192 and 320 tokens. The prompts
 # are pieces of 192-320 tokens of the standard library (lab/build_prompts.py), continued by the target
 # for 160 tokens. Every stage resumes.
-# Each seed's pair is measured against each other and against the shipped B (trained on 256-token
-# sequences) in lab/results/positions_long/s<seed>.json; the seeds' files are then combined, the drafters'
-# τ the mean over their seeds and the intervals drawn over seeds as well as prompts (seeds.json).
+# Each seed's pair is measured against each other in lab/results/positions_long/s<seed>.json, the first
+# seed's also against the shipped B (trained on 256-token sequences; one drafter for every seed, so it is
+# decoded once); the seeds' files are then combined, the drafters' τ the mean over their seeds and the
+# intervals drawn over seeds as well as prompts (seeds.json).
 #   pip install -e '.[bench]' && bash lab/run_long.sh            # seeds 0, 1 and 2
 #   SEEDS=0 bash lab/run_long.sh                                 # one seed
 #   STAGE=train bash lab/run_long.sh                             # only train (STAGE=evaluate: only evaluate)
@@ -30,10 +31,12 @@ done
 [ "$STAGE" = train ] && exit 0
 OUT=lab/results/positions_long
 files=()
+shipped=(--against B=lab/drafters/B)                         # the first seed only: --combine shares it
 for s in $SEEDS; do
   python benchmarks/retrace_positions.py --drafter $RUNS/C_seq512_s$s/drafter \
-      --against B_seq512=$RUNS/B_seq512_s$s/drafter --against B=lab/drafters/B \
+      --against B_seq512=$RUNS/B_seq512_s$s/drafter "${shipped[@]}" \
       --prompt-lengths 64,192,320 --out $OUT/s$s.json
   files+=($OUT/s$s.json)
+  shipped=()
 done
 python benchmarks/retrace_positions.py --combine "${files[@]}" --out $OUT/seeds.json

@@ -98,3 +98,30 @@ def test_combining_seeds_averages_them_and_refuses_other_settings(tmp_path):
     del fewer["20"]
     with pytest.raises(SystemExit, match="other prompts"):
         combine([one, _write_run(tmp_path / "s3.json", fewer)])
+
+
+def test_a_drafter_measured_with_one_seed_joins_the_others(tmp_path):
+    """A fixed drafter (``--against`` given with one seed's run) joins every seed with that run's rounds:
+    the tables equal those of files that each decoded it; a different drafter of that name is refused."""
+    def runs(scale, with_b=True):
+        return {str(n): {"prompt_lens": [n, n], "on": [[2 * scale, 4 * scale], [3 * scale]], "off": [[2, 4], [3]],
+                         **({"B": [[1, 1, 2], [3]]} if with_b else {})} for n in (10, 20)}
+
+    both = combine([_write_run(tmp_path / "a0.json", runs(1.0)), _write_run(tmp_path / "a1.json", runs(1.5))])
+    path = _write_run(tmp_path / "b1.json", runs(1.5, with_b=False))
+    with open(path, encoding="utf-8") as f:
+        lacking = json.load(f)
+    del lacking["against"]["B"]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(lacking, f)
+    once = combine([_write_run(tmp_path / "b0.json", runs(1.0)), path])
+    for key in ("by_length_on_B", "by_length_off_B", "by_position_on_B", "by_length"):
+        assert once[key] == both[key]
+    other = _write_run(tmp_path / "c0.json", runs(1.0))
+    with open(other, encoding="utf-8") as f:
+        moved = json.load(f)
+    moved["against"]["B"] = "elsewhere"
+    with open(other, "w", encoding="utf-8") as f:
+        json.dump(moved, f)
+    with pytest.raises(SystemExit, match="same drafter"):
+        combine([other, path, _write_run(tmp_path / "c2.json", runs(1.0))])
