@@ -160,5 +160,9 @@ def test_what_auto_runs_on_a_gpu_is_lossless(monkeypatch):
 
     monkeypatch.setattr(attention_module, "auto_cached", on_gpu)
     monkeypatch.setattr(target_module, "auto_fresh", lambda dtype, d: taken.append("fresh") or "xla")
-    check(rj.generate(target, PROMPTS, NEW, drafter=oracle.drafter), oracle)
+    try:
+        check(rj.generate(target, PROMPTS, NEW, drafter=oracle.drafter), oracle)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()  # no later test reuses a program traced with these choices
     assert {"dense", "fresh"} <= set(taken)
