@@ -205,16 +205,13 @@ def generate_rows(name, target, drafter, context, new_tokens, repeats):
     prompt = [[(7 * i) % 1000 + 1 for i in range(context)]]
     rows, outputs = [], {}
     for kind, d in (("plain", None), ("speculative", drafter)):
-        def run(d=d):
-            return rj.generate(target, prompt, new_tokens, drafter=d)
+        def run(_, kind=kind, d=d):
+            outputs[kind] = rj.generate(target, prompt, new_tokens, drafter=d)
+            return outputs[kind].tokens
 
-        c = compile_s(lambda: run().tokens)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            outputs[kind] = run()
-            times.append(time.perf_counter() - start)
-        ms = 1e3 * sorted(times)[len(times) // 2] / new_tokens
+        with compile_seconds() as stages:  # the first call compiles the program
+            ms = median_ms_from(run, (), repeats) / new_tokens
+        c = sum(stages.values())
         rounds = sum(len(a) for a in outputs[kind].acceptance_lengths) or new_tokens
         rows.append({"model": name, "what": f"generate ({kind}), {new_tokens} new tokens", "batch": 1,
                      "context": context, "ms": round(ms, 3), "tokens_per_s": round(1e3 / ms, 1),
