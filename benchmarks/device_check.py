@@ -223,24 +223,26 @@ def generate_rows(name, target, drafter, context, new_tokens, repeats):
 
 def lossless_rows(name, cfg, block_size, new_tokens):
     """Greedy speculative decoding against plain decoding, token for token, on a 4-layer model of the
-    preset's shape with random weights, in float32 and bfloat16, through ``"auto"`` and ``"chunked"``:
-    float32 must agree on every path; where bfloat16 does not, its rounding (a verify pass of
-    ``block_size`` rows against steps of one) decides ties that float32 does not have."""
+    preset's shape with random weights, through ``"auto"`` and ``"chunked"``: in float32 at JAX's default
+    matmul precision, in float32 at ``"highest"``, and in bfloat16. Only full float32 products must agree
+    on every path: a GPU's default float32 matmul is TF32, and it, like bfloat16, rounds a verify pass of
+    ``block_size`` rows and one-row steps differently, which decides near-ties of the logits apart."""
     cfg = dataclasses.replace(cfg, num_layers=4)
     prompt = [[(7 * i) % 1000 + 1 for i in range(64)], [(11 * i) % 997 + 3 for i in range(40)]]
     rows = []
-    for dtype in (jnp.float32, jnp.bfloat16):
+    for dtype, precision in ((jnp.float32, None), (jnp.float32, "highest"), (jnp.bfloat16, None)):
         target = tiny_target(cfg=cfg, dtype=dtype)
         drafter = rj.init_drafter(cfg, mask_token_id=cfg.vocab_size - 1, num_layers=1, block_size=block_size,
                                   dtype=dtype)
         for attention in ("auto", "chunked"):
-            plain = rj.generate(target, prompt, new_tokens, attention=attention).tokens
-            spec = rj.generate(target, prompt, new_tokens, drafter=drafter, attention=attention).tokens
+            with jax.default_matmul_precision(precision):
+                plain = rj.generate(target, prompt, new_tokens, attention=attention).tokens
+                spec = rj.generate(target, prompt, new_tokens, drafter=drafter, attention=attention).tokens
             pairs = zip(plain[0] + plain[1], spec[0] + spec[1])
             first = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
             rows.append({"model": f"{name}, 4 layers", "what": f"lossless ({attention})",
-                         "dtype": jnp.dtype(dtype).name, "batch": 2, "same_tokens": plain == spec,
-                         "first_difference": first})
+                         "dtype": jnp.dtype(dtype).name, "precision": precision or "default", "batch": 2,
+                         "same_tokens": plain == spec, "first_difference": first})
     return rows
 
 
@@ -324,7 +326,8 @@ def main():
     p.add_argument("--prefill-lengths", default=None, help="prompt lengths of the prefill rows (default "
                    "8192,32768; smoke: 512,2048)")
     p.add_argument("--lossless-only", action="store_true", help="only the lossless rows (plain against "
-                   "speculative tokens in float32 and bfloat16) of each preset")
+                   "speculative tokens in float32, at the default and the highest matmul precision, and "
+                   "bfloat16) of each preset")
     args = p.parse_args()
     stack = contextlib.ExitStack()  # held until main returns
     if args.pallas_interpret:

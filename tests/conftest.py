@@ -40,6 +40,15 @@ if os.environ.get("RETRACE_JAX_TEST_OPTIMIZE", "") in ("", "0"):
         missing = [f for f in missing if _xla_accepts(f)]
     os.environ["XLA_FLAGS"] = " ".join(filter(None, [current, *missing]))
 
+import jax  # noqa: E402
+
+# The tests compare float32 programs token for token and against PyTorch. On a GPU JAX's default float32
+# matmul is TF32 (on a TPU, bfloat16 passes), which rounds a verify pass and one-token steps differently;
+# full float32 products there, as a CPU computes them anyway (processes the tests start inherit it).
+if jax.default_backend() != "cpu":
+    os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
+    jax.config.update("jax_default_matmul_precision", "highest")
+
 from tests.helpers import FAMILIES, built_once, make_hf_model, save_hf_model
 
 

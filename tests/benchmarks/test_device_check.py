@@ -23,8 +23,11 @@ def test_device_check_smoke(tmp_path):
     assert any(w.startswith("verify pass") for w in whats)
     spec = [r for r in rows if r["what"].startswith("generate (speculative")]
     assert len(spec) == 1 and spec[0]["same_tokens"] is True  # lossless in float32, also with a random drafter
-    lossless = {(r["dtype"], r["what"]): r["same_tokens"] for r in rows if r["what"].startswith("lossless")}
-    assert lossless[("float32", "lossless (auto)")] is lossless[("float32", "lossless (chunked)")] is True
-    assert len(lossless) == 4
+    lossless = {(r["dtype"], r["precision"], r["what"]): r["same_tokens"] for r in rows
+                if r["what"].startswith("lossless")}
+    for precision in ("default", "highest"):  # a CPU's float32 products are full at both
+        assert lossless[("float32", precision, "lossless (auto)")] is True
+        assert lossless[("float32", precision, "lossless (chunked)")] is True
+    assert len(lossless) == 6
     assert all(float(r["max_abs_err"]) < 1e-4 for r in rows if "max_abs_err" in r)
     assert (tmp_path / "device_check.md").read_text().count("|") > 20
