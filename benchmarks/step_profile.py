@@ -1,0 +1,131 @@
+"""Where a plain decode step's time goes on an accelerator, read from a ``jax.profiler`` trace: the device
+kernels of a few steps of ``plain_step`` per layer loop, summed by kernel name, with the time the device
+was busy against the span from the first kernel to the last (the gaps are launches and waits).
+
+    python benchmarks/step_profile.py                               # Qwen3-4B's shape, bf16, on a GPU
+    python benchmarks/step_profile.py --loops scan --out /tmp/p.json
+    JAX_PLATFORMS=cpu python benchmarks/step_profile.py --smoke      # checks the script anywhere
+
+Random weights of the preset's shape (``benchmarks/device_check.py``'s presets), batch 1, a prompt of
+``--context`` tokens, attention as ``"auto"`` runs it on a GPU (dense) unless ``--attention`` says
+otherwise. ``step_ms`` is the untraced median; the traced steps run slower (the profiler's own cost), so
+read the kernels' shares, not their sum, against it. A CPU's XLA runtime reports no device kernels here
+(``benchmarks/round_profile.py`` reads the CPU's own events).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import sys
+import tempfile
+from collections import defaultdict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def kernel_summary(events: list[dict], steps: int, top: int = 30) -> dict:
+    """Device kernels of a Chrome/Perfetto trace (``traceEvents``) of ``steps`` steps, per step: how many,
+    the time some kernel ran (overlaps counted once), the span from the first kernel's start to the last
+    one's end, and the ``top`` kernel names by time. Kernels are the complete events ("X") on the threads
+    (streams) of processes named ``/device:...`` other than a CPU."""
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device = {pid for pid, n in names.items() if n.startswith("/device:") and "CPU" not in n}
+    spans, by_name = [], defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in device:
+            spans.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))))
+            entry = by_name[e.get("name", "?")]
+            entry[0] += float(e.get("dur", 0))
+            entry[1] += 1
+    spans.sort()
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:  # the union of the kernels' intervals
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    span = (max(b for _, b in spans) - spans[0][0]) if spans else 0.0
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"kernels_per_step": len(spans) / steps, "busy_us_per_step": round(busy / steps, 1),
+            "span_us_per_step": round(span / steps, 1),
+            "top": [{"kernel": n, "us_per_step": round(t / steps, 1), "calls_per_step": c / steps}
+                    for n, (t, c) in ranked]}
+
+
+def profile_step(preset: str, loop: str, attention: str, context: int, steps: int, traced: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from benchmarks.device_check import PRESETS
+    from benchmarks.report import median_ms_from
+    from retrace_jax.decoding.layer_loop import decode_weights, merge_target
+    from retrace_jax.decoding.plain import plain_init, plain_step
+    from retrace_jax.decoding.sampling import SamplingParams
+    from retrace_jax.models.tiny import tiny_target
+
+    cfg, _, _ = PRESETS[preset]
+    target = tiny_target(cfg=cfg, dtype=jnp.float32 if preset == "smoke" else jnp.bfloat16)
+    tdef, tstate = nnx.split(target)
+    kept = decode_weights(target, loop, tstate)
+    tokens = jnp.ones((1, context), jnp.int32)
+    lens, live = jnp.full((1,), context, jnp.int32), jnp.ones((1,), bool)
+    capacity = -(-(context + 2 * (steps + traced) + 64) // 64) * 64 - context
+    stops, sampling = jnp.full((8,), -1, jnp.int32), SamplingParams.make()
+    init = jax.jit(lambda s, k, t: plain_init(merge_target(tdef, s, loop, k), t, lens, live, 10**6, stops,
+                                              sampling, capacity=capacity, attention=attention))
+    step = jax.jit(lambda s, k, consts, c: plain_step(merge_target(tdef, s, loop, k), consts, c),
+                   donate_argnums=3)
+    consts, carry = init(tstate, kept, tokens)
+    ms = median_ms_from(lambda c: step(tstate, kept, consts, c), carry, steps)
+    consts, carry = init(tstate, kept, tokens)
+    carry = jax.block_until_ready(step(tstate, kept, consts, carry))  # compiled and warm before the trace
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(traced):
+                carry = step(tstate, kept, consts, carry)
+            jax.block_until_ready(carry)
+        trace = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
+        with gzip.open(trace[0]) as f:
+            events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    return {"preset": preset, "layer_loop": loop, "attention": attention, "context": context,
+            "backend": jax.default_backend(), "step_ms": round(ms, 3), **kernel_summary(events, traced)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="qwen3-4b")
+    p.add_argument("--smoke", action="store_true", help="the tiny preset (any machine)")
+    p.add_argument("--loops", default="unrolled,scan", help="layer loops to profile, comma-separated")
+    p.add_argument("--attention", default="dense")
+    p.add_argument("--context", type=int, default=None, help="prompt tokens (default 1024; smoke: 64)")
+    p.add_argument("--steps", type=int, default=20, help="untimed steps for the median")
+    p.add_argument("--traced", type=int, default=10, help="steps in the trace")
+    p.add_argument("--top", type=int, default=12, help="kernels printed per loop")
+    p.add_argument("--out", default=None, help="JSON of every loop's summary (all kernels up to 30)")
+    args = p.parse_args()
+    preset = "smoke" if args.smoke else args.preset
+    context = args.context or (64 if args.smoke else 1024)
+    results = []
+    for loop in args.loops.split(","):
+        r = profile_step(preset, loop, args.attention, context, args.steps, args.traced)
+        results.append(r)
+        print(f"\n{preset}, layer loop {loop}, attention {args.attention}, context {context} ({r['backend']}): "
+              f"step {r['step_ms']} ms untraced; traced, per step: {r['kernels_per_step']:.0f} kernels, "
+              f"busy {r['busy_us_per_step']} us of a {r['span_us_per_step']} us span\n")
+        print("| kernel | us per step | calls per step |\n|---|---|---|")
+        for k in r["top"][:args.top]:
+            print(f"| {k['kernel'][:80]} | {k['us_per_step']} | {k['calls_per_step']:g} |")
+        if args.out:
+            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
