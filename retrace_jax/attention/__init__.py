@@ -87,7 +87,7 @@ DENSE_MAX_SCORES = 2**29  # ... while a call's float32 scores (B * H * T * S) st
 
 __all__ = ["DENSE_MAX_SCORES", "DENSE_MAX_T", "FRESH_KERNELS", "IMPLEMENTATIONS", "KV_CHUNK", "PALLAS_GPU_MAX_T",
            "Q_CHUNK", "SMALL_CHUNK", "attention_beside_context", "auto_cached", "auto_fresh", "cache_slots",
-           "cached_attention", "fresh_attention", "pallas_interpret", "reference_attention", "walk_chunk"]
+           "cached_attention", "fresh_attention", "fresh_kernel", "pallas_interpret", "reference_attention", "walk_chunk"]
 
 
 def auto_cached(b: int, t: int, h: int, s: int, backend: str | None = None) -> str:
@@ -108,6 +108,15 @@ def auto_fresh(dtype, d: int, backend: str | None = None) -> str | None:
     if backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and d % 8 == 0 and d <= 128:
         return "cudnn"
     return None
+
+
+def fresh_kernel(implementation: str, dtype, d: int, backend: str | None = None) -> str | None:
+    """The kernel that the prefill of an empty cache runs through (:func:`fresh_attention`) for the
+    ``implementation`` asked for, or None to attend through the cache as any other call: the kernel
+    itself for ``"cudnn"`` and ``"pallas_tpu"``, :func:`auto_fresh`'s choice for ``"auto"``."""
+    if implementation in FRESH_KERNELS:
+        return implementation
+    return auto_fresh(dtype, d, backend) if implementation == "auto" else None
 
 
 def cache_slots(n: int, chunk: int = KV_CHUNK) -> int:

@@ -14,11 +14,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from retrace_jax.attention import (
-    FRESH_KERNELS,
     attention_beside_context,
-    auto_fresh,
     cached_attention,
     fresh_attention,
+    fresh_kernel,
 )
 from retrace_jax.models.config import ModelConfig
 from retrace_jax.models.kv_cache import KVCache
@@ -188,8 +187,7 @@ class TargetModel(nnx.Module):
         def attend_at(layer, cache):
             def attend(q, k, v):
                 cache_ = cache.write(layer, k, v, offsets)
-                kernel = attention if attention in FRESH_KERNELS else (
-                    auto_fresh(q.dtype, q.shape[-1]) if attention == "auto" else None)
+                kernel = fresh_kernel(attention, q.dtype, q.shape[-1])
                 if fresh and kernel is not None:
                     return fresh_attention(q, k, v, kernel), cache_
                 return cached_attention(q, cache_.k, cache_.v, layer, positions + 1, implementation=attention), cache_

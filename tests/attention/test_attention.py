@@ -169,7 +169,7 @@ def test_a_long_cache_walks_its_filled_tail_in_small_chunks():
 def test_what_auto_runs_on_each_backend():
     """On a GPU, decode-sized calls run dense (no loop or branch per chunk: a host round trip each there)
     and a bfloat16 or float16 prefill through cuDNN; everything else, and every call elsewhere, chunked."""
-    from retrace_jax.attention import DENSE_MAX_SCORES, DENSE_MAX_T, auto_cached, auto_fresh
+    from retrace_jax.attention import DENSE_MAX_SCORES, DENSE_MAX_T, auto_cached, auto_fresh, fresh_kernel
 
     assert auto_cached(1, 1, 32, 4096, backend="gpu") == "dense"
     assert auto_cached(8, 16, 32, 4096, backend="gpu") == "dense"
@@ -181,3 +181,8 @@ def test_what_auto_runs_on_each_backend():
     assert auto_fresh(jnp.float32, 128, backend="gpu") is None
     assert auto_fresh(jnp.bfloat16, 256, backend="gpu") is None
     assert auto_fresh(jnp.bfloat16, 128, backend="tpu") is None
+    assert fresh_kernel("auto", jnp.bfloat16, 128, backend="gpu") == "cudnn"  # the prefill's kernel per request
+    assert fresh_kernel("auto", jnp.bfloat16, 128, backend="cpu") is None
+    assert fresh_kernel("cudnn", jnp.float32, 256) == "cudnn"
+    assert fresh_kernel("pallas_tpu", jnp.float32, 64) == "pallas_tpu"
+    assert fresh_kernel("chunked", jnp.bfloat16, 128, backend="gpu") is fresh_kernel("dense", jnp.bfloat16, 128) is None
