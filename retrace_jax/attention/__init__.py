@@ -87,7 +87,8 @@ DENSE_MAX_SCORES = 2**29  # ... while a call's float32 scores (B * H * T * S) st
 
 __all__ = ["DENSE_MAX_SCORES", "DENSE_MAX_T", "FRESH_KERNELS", "IMPLEMENTATIONS", "KV_CHUNK", "PALLAS_GPU_MAX_T",
            "Q_CHUNK", "SMALL_CHUNK", "attention_beside_context", "auto_cached", "auto_fresh", "cache_slots",
-           "cached_attention", "fresh_attention", "fresh_kernel", "pallas_interpret", "reference_attention", "walk_chunk"]
+           "cached_attention", "fresh_attention", "fresh_kernel", "pallas_interpret", "reference_attention",
+           "walk_chunk"]
 
 
 def auto_cached(b: int, t: int, h: int, s: int, backend: str | None = None) -> str:
