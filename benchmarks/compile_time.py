@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import statistics
 import sys
@@ -40,6 +39,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
+from benchmarks.report import write_json  # noqa: E402
 from retrace_jax.decoding import programs  # noqa: E402
 from retrace_jax.decoding.generation import bucket, prompt_bucket  # noqa: E402
 from retrace_jax.decoding.layer_loop import decode_weights  # noqa: E402
@@ -169,10 +169,7 @@ def main(argv=None):
         print(f"| {' | '.join(c)} | {trace:.2f} | {lower:.2f} | {xla:.2f} | {total:.2f} | {ms:.1f} |")
         rows.append({"program": c[0], "layer_loop": c[1], "options": c[2], "trace_s": trace, "lower_s": lower,
                      "compile_s": xla, "total_s": total, "ms_per_token": ms, "compile_stages_s": stages[c]})
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"rows": rows, "per_layer_weights_s": slice_s, "jax": jax.__version__}, f, indent=2)
+    write_json({"rows": rows, "per_layer_weights_s": slice_s, "jax": jax.__version__}, args.out)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,6 @@ ReTrace drafter shipped for it (``rj.assets.shipped_drafter(model, "retrace")``)
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -73,6 +72,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
+from benchmarks.report import write_json  # noqa: E402
 from benchmarks.speculative_eval import DEFAULT_SPEC_BENCH, parse_drafters, pick, read_datasets  # noqa: E402
 from retrace_jax.decoding.generation import _check_prompts, _pad_prompts, _pad_stops, _sampling_mode, bucket, prompt_bucket  # noqa: E402
 from retrace_jax.decoding.layer_loop import resolve_layer_loop  # noqa: E402
@@ -367,10 +367,7 @@ def main(argv=None):
         print(f"{method}: τ {s['tau_pooled']}, rejected suffix {s['rejected_suffix']} ({s['seconds']:.0f} s)",
               flush=True)
     print(markdown(result["methods"]))
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(result, args.out, indent=1)
     return result
 
 

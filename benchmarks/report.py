@@ -6,14 +6,22 @@ import json
 import os
 
 
+def write_json(data, out: str | None, indent: int | None = 2) -> None:
+    """Writes ``data`` as JSON to ``out`` (nothing when None), making its folder; atomically: a file of
+    that name is either the old one or the whole new one. ``indent=None``: compact."""
+    if not out:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".tmp", "w") as f:
+        json.dump(data, f, **({"indent": indent} if indent is not None else {"separators": (",", ":")}))
+    os.replace(out + ".tmp", out)
+
+
 def report(result: dict, out: str | None) -> None:
     print("| metric | value |\n|---|---|")
     for key, value in result.items():
         print(f"| {key} | {value} |")
-    if out:
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, out)
 
 
 def median_ms_from(fn, state, n: int) -> float:

@@ -15,7 +15,6 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import json  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -23,6 +22,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
+from benchmarks.report import write_json  # noqa: E402
 from retrace_jax.models.tiny import TINY_QWEN3, tiny_target  # noqa: E402
 
 
@@ -69,10 +69,7 @@ def main():
         r["round_ratio"] = round(r["ms_per_round"] / b["ms_per_round"], 2)
         print(f"| {r['method']} | {r['mesh']} | {r['first_call_s']} | {r['first_call_ratio']} | "
               f"{r['ms_per_round']} | {r['round_ratio']} |")
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=2)
+    write_json(rows, args.out)
 
 
 if __name__ == "__main__":

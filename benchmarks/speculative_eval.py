@@ -56,6 +56,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
+from benchmarks.report import write_json  # noqa: E402
 from benchmarks.speed import rates, time_methods  # noqa: E402
 from retrace_jax.decoding.generation import DRAFT_RULES  # noqa: E402
 from retrace_jax.training.data import chat_encoder, load_tokenizer, read_prompts  # noqa: E402
@@ -272,11 +273,7 @@ def main(argv=None):
 def save(result: dict, out: str | None, compact: bool = False) -> None:
     """Writes ``result`` as JSON to ``out`` (nothing when None), atomically; ``compact`` leaves out the
     indentation (for results that hold every round's length)."""
-    if out:
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        with open(out + ".tmp", "w") as f:
-            json.dump(result, f, **({"separators": (",", ":")} if compact else {"indent": 1}))
-        os.replace(out + ".tmp", out)
+    write_json(result, out, indent=None if compact else 1)
 
 
 def print_tables(result: dict) -> None:

@@ -27,6 +27,8 @@ from collections import defaultdict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.report import write_json  # noqa: E402
+
 
 def kernel_summary(events: list[dict], steps: int, top: int = 30) -> dict:
     """Device kernels of a Chrome/Perfetto trace (``traceEvents``) of ``steps`` steps, per step: how many,
@@ -121,10 +123,7 @@ def main():
         print("| kernel | us per step | calls per step |\n|---|---|---|")
         for k in r["top"][:args.top]:
             print(f"| {k['kernel'][:80]} | {k['us_per_step']} | {k['calls_per_step']:g} |")
-        if args.out:
-            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=2)
+        write_json(results, args.out)
 
 
 if __name__ == "__main__":
