@@ -58,7 +58,22 @@ def kernel_summary(events: list[dict], steps: int, top: int = 30) -> dict:
                     for n, (t, c) in ranked]}
 
 
-def profile_step(preset: str, loop: str, attention: str, context: int, steps: int, traced: int) -> dict:
+def parse_options(text: str) -> dict:
+    """``"xla_gpu_enable_triton_gemm=false,xla_gpu_dot_merger_threshold_mb=0"`` as XLA compiler options
+    for ``jax.jit(compiler_options=...)``: true/false as booleans, integers as integers."""
+    options = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"compiler option {item!r} is not key=value")
+        lowered = value.strip().lower()
+        options[key.strip()] = (lowered == "true" if lowered in ("true", "false")
+                                else int(value) if value.strip().lstrip("-").isdigit() else value.strip())
+    return options
+
+
+def profile_step(preset: str, loop: str, attention: str, context: int, steps: int, traced: int,
+                 options: dict | None = None) -> dict:
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -81,7 +96,7 @@ def profile_step(preset: str, loop: str, attention: str, context: int, steps: in
     init = jax.jit(lambda s, k, t: plain_init(merge_target(tdef, s, loop, k), t, lens, live, 10**6, stops,
                                               sampling, capacity=capacity, attention=attention))
     step = jax.jit(lambda s, k, consts, c: plain_step(merge_target(tdef, s, loop, k), consts, c),
-                   donate_argnums=3)
+                   donate_argnums=3, compiler_options=options or None)
     consts, carry = init(tstate, kept, tokens)
     ms = median_ms_from(lambda c: step(tstate, kept, consts, c), carry, steps)
     consts, carry = init(tstate, kept, tokens)
@@ -95,7 +110,8 @@ def profile_step(preset: str, loop: str, attention: str, context: int, steps: in
         with gzip.open(trace[0]) as f:
             events = json.load(f)
     events = events["traceEvents"] if isinstance(events, dict) else events
-    return {"preset": preset, "layer_loop": loop, "attention": attention, "context": context,
+    return {"preset": preset, "layer_loop": loop, "attention": attention, "options": options or {},
+            "context": context,
             "backend": jax.default_backend(), "step_ms": round(ms, 3), **kernel_summary(events, traced)}
 
 
@@ -108,22 +124,28 @@ def main():
     p.add_argument("--context", type=int, default=None, help="prompt tokens (default 1024; smoke: 64)")
     p.add_argument("--steps", type=int, default=20, help="untimed steps for the median")
     p.add_argument("--traced", type=int, default=10, help="steps in the trace")
-    p.add_argument("--top", type=int, default=12, help="kernels printed per loop")
-    p.add_argument("--out", default=None, help="JSON of every loop's summary (all kernels up to 30)")
+    p.add_argument("--top", type=int, default=12, help="kernels printed per profile")
+    p.add_argument("--options", action="append", default=[],
+                   help="XLA compiler options of the step's program, key=value,... (repeatable): each set is "
+                        "profiled beside XLA's defaults, in the same process")
+    p.add_argument("--out", default=None, help="JSON of every profile's summary (up to 30 kernels)")
     args = p.parse_args()
     preset = "smoke" if args.smoke else args.preset
     context = args.context or (64 if args.smoke else 1024)
     results = []
+    configurations = [{}] + [parse_options(o) for o in args.options]
     for loop in args.loops.split(","):
-        r = profile_step(preset, loop, args.attention, context, args.steps, args.traced)
-        results.append(r)
-        print(f"\n{preset}, layer loop {loop}, attention {args.attention}, context {context} ({r['backend']}): "
-              f"step {r['step_ms']} ms untraced; traced, per step: {r['kernels_per_step']:.0f} kernels, "
-              f"busy {r['busy_us_per_step']} us of a {r['span_us_per_step']} us span\n")
-        print("| kernel | us per step | calls per step |\n|---|---|---|")
-        for k in r["top"][:args.top]:
-            print(f"| {k['kernel'][:80]} | {k['us_per_step']} | {k['calls_per_step']:g} |")
-        write_json(results, args.out)
+        for options in configurations:
+            r = profile_step(preset, loop, args.attention, context, args.steps, args.traced, options)
+            results.append(r)
+            print(f"\n{preset}, layer loop {loop}, attention {args.attention}, options {options or 'default'}, "
+                  f"context {context} ({r['backend']}): step {r['step_ms']} ms untraced; traced, per step: "
+                  f"{r['kernels_per_step']:.0f} kernels, busy {r['busy_us_per_step']} us of a "
+                  f"{r['span_us_per_step']} us span\n")
+            print("| kernel | us per step | calls per step |\n|---|---|---|")
+            for k in r["top"][:args.top]:
+                print(f"| {k['kernel'][:80]} | {k['us_per_step']} | {k['calls_per_step']:g} |")
+            write_json(results, args.out)
 
 
 if __name__ == "__main__":

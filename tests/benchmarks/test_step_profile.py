@@ -20,3 +20,15 @@ def test_kernel_summary_counts_device_kernels_once():
     assert [(k["kernel"], k["us_per_step"], k["calls_per_step"]) for k in s["top"]] == [("gemm", 10.0, 1.0),
                                                                                         ("copy", 5.0, 0.5)]
     assert kernel_summary(meta + host, steps=1)["kernels_per_step"] == 0
+
+
+def test_compiler_options_parse_to_xla_types():
+    import pytest
+
+    from benchmarks.step_profile import parse_options
+
+    assert parse_options("xla_gpu_enable_triton_gemm=false,xla_gpu_dot_merger_threshold_mb=0") == {
+        "xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
+    assert parse_options("") == {}
+    with pytest.raises(ValueError, match="key=value"):
+        parse_options("xla_gpu_enable_triton_gemm")
