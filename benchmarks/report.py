@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 
 def write_json(data, out: str | None, indent: int | None = 2) -> None:
@@ -11,10 +12,15 @@ def write_json(data, out: str | None, indent: int | None = 2) -> None:
     that name is either the old one or the whole new one. ``indent=None``: compact."""
     if not out:
         return
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out + ".tmp", "w") as f:
+    folder = os.path.dirname(os.path.abspath(out))
+    os.makedirs(folder, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=folder, prefix=os.path.basename(out) + ".", suffix=".tmp",
+                                     delete=False) as f:
         json.dump(data, f, **({"indent": indent} if indent is not None else {"separators": (",", ":")}))
-    os.replace(out + ".tmp", out)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(f.name, 0o666 & ~umask)  # as open() would have made it, not the temporary file's 0600
+    os.replace(f.name, out)
 
 
 def report(result: dict, out: str | None) -> None:

@@ -1,16 +1,17 @@
-"""Where a plain decode step's time goes on an accelerator, read from a ``jax.profiler`` trace: the device
-kernels of a few steps of ``plain_step`` per layer loop, summed by kernel name, with the time the device
-was busy against the span from the first kernel to the last (the gaps are launches and waits).
+"""Where a plain decode step's time goes on a GPU, read from a ``jax.profiler`` trace: the device kernels
+of a few steps of ``plain_step`` per layer loop, summed by kernel name, with the time the device was busy
+against the span from the first kernel to the last (the gaps are launches and waits).
 
     python benchmarks/step_profile.py                               # Qwen3-4B's shape, bf16, on a GPU
     python benchmarks/step_profile.py --loops scan --out /tmp/p.json
     JAX_PLATFORMS=cpu python benchmarks/step_profile.py --smoke      # checks the script anywhere
 
 Random weights of the preset's shape (``benchmarks/device_check.py``'s presets), batch 1, a prompt of
-``--context`` tokens, attention as ``"auto"`` runs it on a GPU (dense) unless ``--attention`` says
+``--context`` tokens, attention dense (what ``"auto"`` runs on a GPU) unless ``--attention`` says
 otherwise. ``step_ms`` is the untraced median; the traced steps run slower (the profiler's own cost), so
-read the kernels' shares, not their sum, against it. A CPU's XLA runtime reports no device kernels here
-(``benchmarks/round_profile.py`` reads the CPU's own events).
+read the kernels' shares, not their sum, against it. Only a GPU's trace is read: a TPU's device lines
+also hold module and step events over its ops, which this summary would count as kernels, and a CPU's
+XLA runtime reports no device kernels here (``benchmarks/round_profile.py`` reads the CPU's own events).
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ from benchmarks.report import write_json  # noqa: E402
 def kernel_summary(events: list[dict], steps: int, top: int = 30) -> dict:
     """Device kernels of a Chrome/Perfetto trace (``traceEvents``) of ``steps`` steps, per step: how many,
     the time some kernel ran (overlaps counted once), the span from the first kernel's start to the last
-    one's end, and the ``top`` kernel names by time. Kernels are the complete events ("X") on the threads
-    (streams) of processes named ``/device:...`` other than a CPU."""
+    one's end, and the ``top`` kernel names by time. Kernels are the complete events ("X") of the
+    processes named ``/device:GPU:...`` (one line per stream)."""
     names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
-    device = {pid for pid, n in names.items() if n.startswith("/device:") and "CPU" not in n}
+    device = {pid for pid, n in names.items() if n.startswith("/device:GPU")}
     spans, by_name = [], defaultdict(lambda: [0.0, 0])
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in device:
@@ -120,9 +121,10 @@ def main():
     p.add_argument("--preset", default="qwen3-4b")
     p.add_argument("--smoke", action="store_true", help="the tiny preset (any machine)")
     p.add_argument("--loops", default="unrolled,scan", help="layer loops to profile, comma-separated")
-    p.add_argument("--attention", default="dense")
+    p.add_argument("--attention", default="dense", help="the attention implementation (default: dense, what "
+                   "\"auto\" runs on a GPU)")
     p.add_argument("--context", type=int, default=None, help="prompt tokens (default 1024; smoke: 64)")
-    p.add_argument("--steps", type=int, default=20, help="untimed steps for the median")
+    p.add_argument("--steps", type=int, default=20, help="untraced, timed steps for the median")
     p.add_argument("--traced", type=int, default=10, help="steps in the trace")
     p.add_argument("--top", type=int, default=12, help="kernels printed per profile")
     p.add_argument("--options", action="append", default=[],
@@ -138,10 +140,10 @@ def main():
         for options in configurations:
             r = profile_step(preset, loop, args.attention, context, args.steps, args.traced, options)
             results.append(r)
-            print(f"\n{preset}, layer loop {loop}, attention {args.attention}, options {options or 'default'}, "
-                  f"context {context} ({r['backend']}): step {r['step_ms']} ms untraced; traced, per step: "
-                  f"{r['kernels_per_step']:.0f} kernels, busy {r['busy_us_per_step']} us of a "
-                  f"{r['span_us_per_step']} us span\n")
+            print(f"\n{preset}, layer loop {loop}, attention {args.attention}, "
+                  f"options {options or 'default'}, context {context} ({r['backend']}): "
+                  f"step {r['step_ms']} ms untraced; traced, per step: {r['kernels_per_step']:.0f} kernels, "
+                  f"busy {r['busy_us_per_step']} us of a {r['span_us_per_step']} us span\n")
             print("| kernel | us per step | calls per step |\n|---|---|---|")
             for k in r["top"][:args.top]:
                 print(f"| {k['kernel'][:80]} | {k['us_per_step']} | {k['calls_per_step']:g} |")

@@ -40,14 +40,28 @@ if os.environ.get("RETRACE_JAX_TEST_OPTIMIZE", "") in ("", "0"):
         missing = [f for f in missing if _xla_accepts(f)]
     os.environ["XLA_FLAGS"] = " ".join(filter(None, [current, *missing]))
 
-import jax  # noqa: E402
+
+def _accelerator_installed() -> bool:
+    """Whether JAX may run on a GPU or TPU here: JAX_PLATFORMS names one, or (unset) a GPU or TPU plugin
+    is installed. Decided without starting a backend (pytest-xdist's controller would hold the device)."""
+    import importlib.util
+
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return any(p.strip() not in ("", "cpu") for p in platforms.split(","))
+    plugins = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin", "libtpu")
+    return any(importlib.util.find_spec(m) is not None for m in plugins)
+
 
 # The tests compare float32 programs token for token and against PyTorch. On a GPU JAX's default float32
-# matmul is TF32 (on a TPU, bfloat16 passes), which rounds a verify pass and one-token steps differently;
-# full float32 products there, as a CPU computes them anyway (processes the tests start inherit it).
-if jax.default_backend() != "cpu":
-    os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
-    jax.config.update("jax_default_matmul_precision", "highest")
+# matmul is TF32 (on a TPU, bfloat16 passes), which rounds a verify pass and one-token steps differently:
+# full float32 products there, as a CPU computes them anyway (set before jax is imported; the processes
+# the tests start inherit it).
+if _accelerator_installed():
+    os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+    import jax  # importing starts no backend
+
+    jax.config.update("jax_default_matmul_precision", os.environ["JAX_DEFAULT_MATMUL_PRECISION"])
 
 from tests.helpers import FAMILIES, built_once, make_hf_model, save_hf_model
 

@@ -1,4 +1,5 @@
-"""benchmarks/step_profile.py sums a trace's device kernels per step; host events do not count."""
+"""benchmarks/step_profile.py sums a GPU trace's kernels per step; host and other devices' events do not
+count."""
 
 
 def test_kernel_summary_counts_device_kernels_once():
@@ -6,12 +7,14 @@ def test_kernel_summary_counts_device_kernels_once():
 
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
             {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
-            {"ph": "M", "name": "process_name", "pid": 3, "args": {"name": "/device:CPU:0"}}]
+            {"ph": "M", "name": "process_name", "pid": 3, "args": {"name": "/device:CPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 4, "args": {"name": "/device:TPU:0"}}]
     kernels = [{"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "ts": 0, "dur": 10},
                {"ph": "X", "pid": 1, "tid": 8, "name": "copy", "ts": 5, "dur": 10},  # overlaps gemm by 5
                {"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "ts": 30, "dur": 10}]
     host = [{"ph": "X", "pid": 2, "tid": 1, "name": "launch", "ts": 0, "dur": 100},
             {"ph": "X", "pid": 3, "tid": 1, "name": "cpu op", "ts": 0, "dur": 100},
+            {"ph": "X", "pid": 4, "tid": 1, "name": "XLA Modules", "ts": 0, "dur": 100},
             {"ph": "i", "pid": 1, "tid": 7, "name": "marker", "ts": 1}]
     s = kernel_summary(meta + kernels + host, steps=2)
     assert s["kernels_per_step"] == 1.5

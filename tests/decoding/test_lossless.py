@@ -159,7 +159,8 @@ def test_what_auto_runs_on_a_gpu_is_lossless(monkeypatch):
         return taken[-1]
 
     monkeypatch.setattr(attention_module, "auto_cached", on_gpu)
-    monkeypatch.setattr(attention_module, "auto_fresh", lambda dtype, d, backend=None: taken.append("fresh") or "xla")
+    monkeypatch.setattr(attention_module, "auto_fresh",
+                        lambda dtype, d, backend=None: taken.append("fresh") or "xla")
     try:
         check(rj.generate(target, PROMPTS, NEW, drafter=oracle.drafter), oracle)
     finally:
