@@ -81,9 +81,13 @@ def weight_bytes(module) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
 
 
-def plain_step_ms(tdef, tstate, batch, context, steps, attention="auto", layer_loop="scan"):
-    """Milliseconds per plain decode step at ``batch`` rows of ``context`` tokens, and the compile time;
-    ``layer_loop="unrolled"`` runs the layers over per-layer copies of the weights, as ``generate`` can."""
+def plain_step_program(tdef, tstate, batch, context, steps, attention="auto", layer_loop="scan",
+                       compiler_options=None):
+    """The jitted ``plain_init`` and ``plain_step`` (donating its carry) of ``batch`` rows of ``context``
+    tokens with room for ``steps`` steps, and what they take besides the target's state: ``(init, step,
+    kept, tokens)``, called as ``init(tstate, kept, tokens)`` and ``step(tstate, kept, consts, carry)``.
+    ``layer_loop="unrolled"`` runs the layers over per-layer copies of the weights, as ``generate`` can;
+    ``compiler_options`` go to the step's ``jax.jit``."""
     kept = decode_weights(nnx.merge(tdef, tstate), layer_loop, tstate)
     sampling = SamplingParams.make()
     stops = jnp.full((8,), -1, jnp.int32)
@@ -95,7 +99,14 @@ def plain_step_ms(tdef, tstate, batch, context, steps, attention="auto", layer_l
     init = jax.jit(lambda s, kept, t: plain_init(merge_target(tdef, s, layer_loop, kept), t, lens, live, 10**6, stops,
                                                  sampling, capacity=capacity, attention=attention))
     step = jax.jit(lambda s, kept, consts, c: plain_step(merge_target(tdef, s, layer_loop, kept), consts, c),
-                   donate_argnums=3)
+                   donate_argnums=3, compiler_options=compiler_options)
+    return init, step, kept, tokens
+
+
+def plain_step_ms(tdef, tstate, batch, context, steps, attention="auto", layer_loop="scan"):
+    """Milliseconds per plain decode step at ``batch`` rows of ``context`` tokens, and the compile time
+    (:func:`plain_step_program`)."""
+    init, step, kept, tokens = plain_step_program(tdef, tstate, batch, context, steps, attention, layer_loop)
     c_init = compile_s(lambda: init(tstate, kept, tokens))
     consts, carry = init(tstate, kept, tokens)
     with compile_seconds() as stages:  # the first call compiles the step

@@ -79,25 +79,15 @@ def profile_step(preset: str, loop: str, attention: str, context: int, steps: in
     import jax.numpy as jnp
     from flax import nnx
 
-    from benchmarks.device_check import PRESETS
+    from benchmarks.device_check import PRESETS, plain_step_program
     from benchmarks.report import median_ms_from
-    from retrace_jax.decoding.layer_loop import decode_weights, merge_target
-    from retrace_jax.decoding.plain import plain_init, plain_step
-    from retrace_jax.decoding.sampling import SamplingParams
     from retrace_jax.models.tiny import tiny_target
 
     cfg, _, _ = PRESETS[preset]
     target = tiny_target(cfg=cfg, dtype=jnp.float32 if preset == "smoke" else jnp.bfloat16)
     tdef, tstate = nnx.split(target)
-    kept = decode_weights(target, loop, tstate)
-    tokens = jnp.ones((1, context), jnp.int32)
-    lens, live = jnp.full((1,), context, jnp.int32), jnp.ones((1,), bool)
-    capacity = -(-(context + 2 * (steps + traced) + 64) // 64) * 64 - context
-    stops, sampling = jnp.full((8,), -1, jnp.int32), SamplingParams.make()
-    init = jax.jit(lambda s, k, t: plain_init(merge_target(tdef, s, loop, k), t, lens, live, 10**6, stops,
-                                              sampling, capacity=capacity, attention=attention))
-    step = jax.jit(lambda s, k, consts, c: plain_step(merge_target(tdef, s, loop, k), consts, c),
-                   donate_argnums=3, compiler_options=options or None)
+    init, step, kept, tokens = plain_step_program(tdef, tstate, 1, context, steps + traced, attention, loop,
+                                                  options or None)
     consts, carry = init(tstate, kept, tokens)
     ms = median_ms_from(lambda c: step(tstate, kept, consts, c), carry, steps)
     consts, carry = init(tstate, kept, tokens)
@@ -112,8 +102,7 @@ def profile_step(preset: str, loop: str, attention: str, context: int, steps: in
             events = json.load(f)
     events = events["traceEvents"] if isinstance(events, dict) else events
     return {"preset": preset, "layer_loop": loop, "attention": attention, "options": options or {},
-            "context": context,
-            "backend": jax.default_backend(), "step_ms": round(ms, 3), **kernel_summary(events, traced)}
+            "context": context, "backend": jax.default_backend(), "step_ms": round(ms, 3), **kernel_summary(events, traced)}
 
 
 def main():
