@@ -197,7 +197,9 @@ class TrainSection(Section):
     """``train:``: the objective, the optimiser, the mesh, checkpoints and logging."""
 
     objective: Literal[OBJECTIVES] = doc("dflash, or retrace (the on-policy rollout of `rounds` rounds)", "dflash")
-    steps: PositiveInt = doc("training steps (micro-steps when grad_accum > 1)", 100)
+    steps: PositiveInt = doc("training steps, counted in micro-steps (as checkpoints and resume number them): "
+                             "with grad_accum > 1, steps / grad_accum optimizer updates, so steps must be a "
+                             "multiple of grad_accum", 100)
     batch_size: PositiveInt = doc("global batch, in sequences (over all processes and devices)", 8)
     seq_len: PositiveInt = doc("sequences are cut or padded to this many tokens", 128)
     num_anchors: PositiveInt = doc("anchored blocks per sequence", 8)
@@ -293,6 +295,15 @@ class TrainConfig(Section):
         if not dr.init and t.seq_len < dr.block_size + 1:
             out.append(f"train.seq_len: {t.seq_len} leaves no room for a block of {dr.block_size} "
                        f"(drafter.block_size)")
+        if t.steps < t.grad_accum:
+            out.append(f"train.steps: {t.steps} is smaller than train.grad_accum {t.grad_accum}: steps count "
+                       f"micro-steps, {t.grad_accum} of them make one optimizer update, so the run would make no "
+                       f"optimizer update (give a multiple of {t.grad_accum})")
+        elif t.steps % t.grad_accum:
+            out.append(f"train.steps: {t.steps} is not a multiple of train.grad_accum {t.grad_accum}: steps count "
+                       f"micro-steps, {t.grad_accum} of them make one optimizer update, so the last "
+                       f"{t.steps % t.grad_accum} would never be applied (give "
+                       f"{t.steps - t.steps % t.grad_accum} or {t.steps - t.steps % t.grad_accum + t.grad_accum})")
         if out:
             raise ValueError("; ".join(out))
         return self

@@ -63,6 +63,9 @@ def test_overrides_are_typed(config):
     ("train.mesh=data=1,data=1", "--set train.mesh: mesh axis 'data' is named twice"),
     ("train.steps=0", "--set train.steps: must be >= 1, got 0"),
     ("train.steps=1e3", "--set train.steps: expected an integer, got '1e3'"),
+    # steps count micro-steps: 5 of 3 each would leave 2 never applied, 5 of 8 no optimizer update at all
+    ("train.grad_accum=3", "train.steps: 5 is not a multiple of train.grad_accum 3"),
+    ("train.grad_accum=8", "train.steps: 5 is smaller than train.grad_accum 8"),
     ("train.seed=true", "--set train.seed: expected an integer, got True"),
     ("train.warmup_frac=1.5", "--set train.warmup_frac: must be < 1, got 1.5"),
     ("train.tensorboard=maybe", "--set train.tensorboard: expected true, false or auto, got 'maybe'"),
@@ -203,6 +206,18 @@ def test_describe_lists_every_key():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert train.main(["--describe"]) is None
+
+
+def test_steps_count_micro_steps_in_whole_optimizer_updates(config):
+    """train.steps counts micro-steps (checkpoints and resume number them): with grad_accum it must be a
+    whole number of optimizer updates, which --describe says."""
+    cfg = load_config(config, ["train.steps=6", "train.grad_accum=3"])
+    assert (cfg.train.steps, cfg.train.grad_accum) == (6, 3)
+    with pytest.raises(ConfigError, match=r"train\.steps: 2 is smaller than train\.grad_accum 3") as err:
+        load_config(config, ["train.steps=2", "train.grad_accum=3"])
+    assert "no optimizer update" in str(err.value)
+    steps = next(line for line in describe().splitlines() if line.startswith("  steps: "))
+    assert "micro-steps" in steps and "multiple of grad_accum" in steps
 
 
 def test_the_old_error_name_still_works_with_a_warning():
