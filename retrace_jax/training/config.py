@@ -295,6 +295,8 @@ class TrainConfig(Section):
         if not dr.init and t.seq_len < dr.block_size + 1:
             out.append(f"train.seq_len: {t.seq_len} leaves no room for a block of {dr.block_size} "
                        f"(drafter.block_size)")
+        elif not dr.init:  # with drafter.init the block size is the checkpoint's: preflight checks it
+            out += anchor_room(t.num_anchors, t.seq_len, dr.block_size, "drafter.block_size")
         if t.steps < t.grad_accum:
             out.append(f"train.steps: {t.steps} is smaller than train.grad_accum {t.grad_accum}: steps count "
                        f"micro-steps, {t.grad_accum} of them make one optimizer update, so the run would make no "
@@ -311,6 +313,17 @@ class TrainConfig(Section):
     @property
     def data_dir(self) -> str:
         return self.data.dir or os.path.join(self.out, "data")
+
+
+def anchor_room(num_anchors: int, seq_len: int, block_size: int, block_key: str) -> list[str]:
+    """The problem (a list of at most one) when ``train.num_anchors`` exceeds the anchor positions of a
+    ``seq_len``-token sequence, ``seq_len - block_size + 1`` (a block must fit after its anchor);
+    ``block_key`` says where the block size comes from."""
+    room = seq_len - block_size + 1
+    if num_anchors <= room:
+        return []
+    return [f"train.num_anchors: {num_anchors} exceeds the {max(room, 0)} anchor positions of a {seq_len}-token "
+            f"sequence (train.seq_len) with block size {block_size} ({block_key})"]
 
 
 SECTIONS = {"data": DataConfig, "drafter": DrafterSection, "retrace": RetraceSection, "train": TrainSection}

@@ -37,7 +37,7 @@ from retrace_jax.parallel.distributed import agree_any, initialize
 from retrace_jax.parallel.placement import shard_model
 from retrace_jax.parallel.sharding import batch_sharding, make_mesh
 from retrace_jax.training.checkpoints import Checkpoints
-from retrace_jax.training.config import TrainConfig, as_config
+from retrace_jax.training.config import TrainConfig, anchor_room, as_config
 from retrace_jax.training.data import SequenceData, describe_differences, settings_differences
 from retrace_jax.training.evaluate import cached_features, evaluate, export_drafter
 from retrace_jax.training.lock import run_lock
@@ -101,10 +101,11 @@ def build_drafter(cfg, target, mesh, data: SequenceData | None = None, log=None)
     if t.objective == "dflash" and drafter.cfg.retrace is not None:
         raise ConfigError(f"{dc.init} is a ReTrace drafter: train it with objective retrace (objective "
                                  f"dflash would leave its ReTrace module untrained)")
-    seq_room = t.seq_len - drafter.cfg.block_size + 1
-    if t.num_anchors > seq_room:
-        raise ConfigError(f"train.num_anchors {t.num_anchors} exceeds the {max(seq_room, 0)} anchor "
-                                 f"positions of a {t.seq_len}-token sequence with block size {drafter.cfg.block_size}")
+    # load_config and preflight refuse this before any work; kept for a drafter built here otherwise
+    room = anchor_room(t.num_anchors, t.seq_len, drafter.cfg.block_size,
+                       f"drafter.init {dc.init}" if dc.init else "drafter.block_size")
+    if room:
+        raise ConfigError(room[0])
     return drafter
 
 

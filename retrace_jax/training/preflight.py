@@ -23,7 +23,7 @@ from retrace_jax.models.drafter import DrafterConfig, check_drafter_matches, dra
 from retrace_jax.models.retrace import ReTraceConfig
 from retrace_jax.models.tiny import TINY_QWEN3
 from retrace_jax.parallel.sharding import check_divisible, make_mesh
-from retrace_jax.training.config import TrainConfig, as_config
+from retrace_jax.training.config import TrainConfig, anchor_room, as_config
 from retrace_jax.training.data import MANIFEST
 
 # drafter keys that describe a new drafter -> DrafterConfig fields; with drafter.init, those given must
@@ -110,6 +110,7 @@ def _drafter(cfg: TrainConfig, target: ModelConfig) -> list[str]:
             check_drafter_matches(stored, target)
         except ConfigError as err:
             out.append(f"drafter.init {dc.init}: {err}")
+        out += anchor_room(cfg.train.num_anchors, cfg.train.seq_len, stored.block_size, f"drafter.init {dc.init}")
         return out
     retrace = ReTraceConfig(**cfg.retrace.to_dict()) if cfg.train.objective == "retrace" else None
     mask = dc.mask_token_id if dc.mask_token_id is not None else target.vocab_size - 1

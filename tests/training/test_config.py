@@ -66,6 +66,8 @@ def test_overrides_are_typed(config):
     # steps count micro-steps: 5 of 3 each would leave 2 never applied, 5 of 8 no optimizer update at all
     ("train.grad_accum=3", "train.steps: 5 is not a multiple of train.grad_accum 3"),
     ("train.grad_accum=8", "train.steps: 5 is smaller than train.grad_accum 8"),
+    ("train.num_anchors=200", ("train.num_anchors: 200 exceeds the 121 anchor positions of a 128-token sequence "
+                               "(train.seq_len) with block size 8 (drafter.block_size)")),
     ("train.seed=true", "--set train.seed: expected an integer, got True"),
     ("train.warmup_frac=1.5", "--set train.warmup_frac: must be < 1, got 1.5"),
     ("train.tensorboard=maybe", "--set train.tensorboard: expected true, false or auto, got 'maybe'"),

@@ -70,7 +70,23 @@ def test_a_starting_drafter_decides_its_own_shape(config, checkpoint):
     preflight(load_config(config, [f"drafter.init={checkpoint}-missing"]), stage="prepare")  # not needed yet
 
 
-@pytest.mark.parametrize("override", ["train.mesh=data=4", "train.eval_max_new_tokens=5000"])
+def test_more_anchors_than_a_starting_drafters_block_leaves_room_for_are_refused(config, checkpoint, tmp_path, capsys):
+    """With drafter.init the block size is the checkpoint's: 12-token sequences and blocks of 4 leave 9
+    anchor positions, checked from the configs before any data is prepared."""
+    preflight(load_config(config, [f"drafter.init={checkpoint}", "train.num_anchors=9"]))
+    message = ("train.num_anchors: 10 exceeds the 9 anchor positions of a 12-token sequence (train.seq_len) with "
+               f"block size 4 (drafter.init {checkpoint})")
+    with pytest.raises(rj.ConfigError) as err:
+        preflight(load_config(config, [f"drafter.init={checkpoint}", "train.num_anchors=10"]))
+    assert message in str(err.value)
+    line = cli_error(capsys, train.main, ["--config", config, "--set", f"drafter.init={checkpoint}",
+                                          "--set", "train.num_anchors=10"])
+    assert message in line
+    assert not os.path.exists(tmp_path / "out" / "data")  # nothing prepared
+
+
+@pytest.mark.parametrize("override", ["train.mesh=data=4", "train.eval_max_new_tokens=5000",
+                                      "train.num_anchors=10"])
 def test_train_py_refuses_before_preparing_data(config, override, tmp_path, capsys):
     line = cli_error(capsys, train.main, ["--config", config, "--set", override])
     assert override.split("=")[0] in line

@@ -311,7 +311,7 @@ def test_bad_configs_fail_clearly_and_lose_nothing(workspace, dflash_run, tmp_pa
     assert re.search("does not match the target", message), message
     message = cli_error(capsys, train.main, ["--config", config, "--set", "train.num_anchors=60", "--set",
                                             f"out={tmp_path}/e"])
-    assert re.search("num_anchors 60 exceeds", message), message
+    assert re.search("num_anchors: 60 exceeds", message), message
     message = cli_error(capsys, train.main, ["--config", config, "--set", "train.log_every=0"])
     assert re.search("train.log_every: must be >= 1", message), message
     # A finished run is not disturbed by a bad rerun.
