@@ -10,13 +10,22 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 
 from retrace_jax.errors import ConfigError
 from retrace_jax.models.layers import BlockSpec
-from retrace_jax.validation import Bool, PositiveInt, PositiveNumber, config_dataclass, validated
+from retrace_jax.validation import (
+    Bool,
+    Int,
+    NonNegativeInt,
+    PositiveInt,
+    PositiveNumber,
+    config_dataclass,
+    short_repr,
+    validated,
+)
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 ModelType = Literal[SUPPORTED_MODEL_TYPES]
@@ -69,6 +78,30 @@ class DecoderShape:
         }
 
 
+ACTIVATIONS = ("silu", "swish")  # the MLP's activation: SiLU, by either of transformers' names for it
+
+
+def _silu(value: str) -> str:
+    if value not in ACTIVATIONS:
+        raise ValueError(f"{short_repr(value)} is not implemented; retrace-jax implements 'silu' (the SiLU-gated MLP)")
+    return value
+
+
+def _whole_rotary(value: float) -> float:
+    if value != 1:
+        raise ValueError(f"{value!r} is not implemented; retrace-jax rotates the whole head (1.0)")
+    return value
+
+
+def _listed(items: list, limit: int = 6) -> str:
+    text = ", ".join(map(str, items[:limit]))
+    return text + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+Activation = Annotated[str, AfterValidator(_silu)]
+RotaryFraction = Annotated[PositiveNumber, AfterValidator(_whole_rotary)]
+
+
 class HFKeys(BaseModel):
     """Keys of a Hugging Face ``config.json`` that this library reads, checked strictly. Other keys are
     ignored (real configs carry many); an absent or null key takes its default."""
@@ -82,6 +115,7 @@ class RopeKeys(HFKeys):
     rope_type: str | None = None
     type: str | None = None
     rope_theta: PositiveNumber | None = None
+    partial_rotary_factor: RotaryFraction | None = None  # transformers 5 may keep it here
 
     @model_validator(mode="after")
     def _default_only(self):
@@ -106,6 +140,10 @@ class ShapeKeys(HFKeys):
     rope_scaling: RopeKeys | None = None
     rms_norm_eps: PositiveNumber | None = None  # default 1e-6
     max_position_embeddings: PositiveInt | None = None  # default: the caller's
+    # Read only to refuse what is not implemented (the maths would differ): another MLP activation, RoPE
+    # over part of each head. Absent, or at the value that changes nothing, they load.
+    hidden_act: Activation | None = None
+    partial_rotary_factor: RotaryFraction | None = None
 
     def shape(self, max_position_embeddings: int) -> dict[str, Any]:
         """The :class:`DecoderShape` fields, defaults filled in."""
@@ -132,6 +170,38 @@ class TargetKeys(ShapeKeys):
     tie_word_embeddings: Bool | None = None
     attention_bias: Bool | None = None
     mlp_bias: Bool | None = None
+    # Sliding-window attention is not implemented for a target: these keys are read to refuse a config
+    # whose layers would slide as transformers reads it, and load at values where none does (Qwen2 configs
+    # ship use_sliding_window false beside sliding_window 32768; transformers then drops the window).
+    layer_types: list[str] | None = None
+    use_sliding_window: Bool | None = None
+    sliding_window: Int | None = None
+    max_window_layers: NonNegativeInt | None = None
+
+    @model_validator(mode="after")
+    def _full_attention_only(self):
+        layers, problems = self.num_hidden_layers, []
+        if self.layer_types is not None:  # as transformers, these decide over max_window_layers
+            if len(self.layer_types) != layers:
+                problems.append(f"layer_types has {len(self.layer_types)} entries for num_hidden_layers {layers} "
+                                f"(one per layer)")
+            other = [i for i, kind in enumerate(self.layer_types) if kind != "full_attention"]
+            if other:
+                more = f" (nor are layers {_listed(other[1:])})" if len(other) > 1 else ""
+                problems.append(f"layer_types[{other[0]}]: {short_repr(self.layer_types[other[0]])} is not "
+                                f"implemented for a target; retrace-jax implements 'full_attention'{more}")
+        elif self.use_sliding_window and self.sliding_window is not None:
+            # transformers' Qwen2/Qwen3: layers from max_window_layers on slide (absent: taken as 0 here)
+            first = self.max_window_layers or 0
+            if first < layers:
+                given = (f"from max_window_layers {first}" if self.max_window_layers is not None
+                         else "max_window_layers not given")
+                problems.append(f"use_sliding_window: true with sliding_window {self.sliding_window} makes layers "
+                                f"{first}..{layers - 1} ({given}) sliding-window layers, which are not implemented "
+                                f"for a target (set use_sliding_window to false for full attention)")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
 
 @config_dataclass(kw_only=True)

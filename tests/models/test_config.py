@@ -59,6 +59,90 @@ def test_every_problem_is_named_and_other_keys_are_ignored():
     assert rj.ModelConfig.from_hf(extra) == TINY_QWEN3
 
 
+# Keys that change the maths and are not implemented for a target: refused with their value, never ignored.
+UNIMPLEMENTED_TARGET_CASES = {
+    "a GELU MLP": (dict(hidden_act="gelu"), r"hidden_act: 'gelu' is not implemented; retrace-jax implements 'silu'"),
+    "hidden_act as a number": (dict(hidden_act=1), r"hidden_act: expected a string, got 1"),
+    "partial RoPE": (dict(partial_rotary_factor=0.5),
+                     r"partial_rotary_factor: 0\.5 is not implemented; retrace-jax rotates the whole head \(1\.0\)"),
+    "partial RoPE under rope_parameters": (
+        dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}),
+        r"rope_parameters\.partial_rotary_factor: 0\.25 is not implemented"),
+    "a sliding layer": (
+        dict(layer_types=["full_attention", "sliding_attention", "full_attention", "full_attention"]),
+        r"layer_types\[1\]: 'sliding_attention' is not implemented for a target; retrace-jax implements "
+        r"'full_attention'"),
+    "layer_types for other layers": (dict(layer_types=["full_attention"] * 3),
+                                     r"layer_types has 3 entries for num_hidden_layers 4"),
+    "a sliding window over the upper layers": (
+        dict(use_sliding_window=True, sliding_window=64, max_window_layers=2),
+        r"use_sliding_window: true with sliding_window 64 makes layers 2\.\.3 \(from max_window_layers 2\) "
+        r"sliding-window layers, which are not implemented for a target"),
+    "a sliding window without max_window_layers": (
+        dict(use_sliding_window=True, sliding_window=64),
+        r"use_sliding_window: true with sliding_window 64 makes layers 0\.\.3"),
+    "use_sliding_window as a string": (dict(use_sliding_window="false"),
+                                       r"use_sliding_window: expected true or false, got 'false'"),
+}
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("case", sorted(UNIMPLEMENTED_TARGET_CASES))
+def test_target_keys_that_change_the_maths_are_refused_with_their_value(case, model_type, tmp_path):
+    changes, pattern = UNIMPLEMENTED_TARGET_CASES[case]
+    hf = _with(TARGET, model_type=model_type, **changes)
+    with pytest.raises(rj.ConfigError, match=pattern):
+        rj.ModelConfig.from_hf(hf)
+    with pytest.raises(rj.ConfigError, match=r"t/config\.json: " + pattern):  # loading names the file
+        rj.load_target(_config_dir(tmp_path / "t", hf))
+
+
+QWEN25_CODER_05B = {  # Qwen/Qwen2.5-Coder-0.5B-Instruct's config.json (its keys and values; the shape shrunk)
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
+    "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 96,
+    "max_position_embeddings": 32768, "max_window_layers": 24, "model_type": "qwen2", "num_attention_heads": 4,
+    "num_hidden_layers": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 512}
+QWEN3 = {  # Qwen/Qwen3-4B's
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "head_dim": 32,
+    "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 96, "max_position_embeddings": 40960,
+    "max_window_layers": 36, "model_type": "qwen3", "num_attention_heads": 4, "num_hidden_layers": 4,
+    "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+    "sliding_window": None, "tie_word_embeddings": True, "use_sliding_window": False, "vocab_size": 512}
+SMOLLM2 = {  # HuggingFaceTB/SmolLM2-135M-Instruct's
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu",
+    "hidden_size": 64, "intermediate_size": 96, "max_position_embeddings": 8192, "mlp_bias": False,
+    "model_type": "llama", "num_attention_heads": 4, "num_hidden_layers": 4, "num_key_value_heads": 2,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 100000, "tie_word_embeddings": True,
+    "vocab_size": 512}
+
+
+@pytest.mark.parametrize("hf", [
+    QWEN25_CODER_05B, QWEN3, SMOLLM2, TARGET,
+    _with(TARGET, hidden_act="swish"),  # transformers' name for the same function
+    _with(TARGET, partial_rotary_factor=1.0),
+    _with(TARGET, layer_types=["full_attention"] * 4, use_sliding_window=False, sliding_window=4096),
+    _with(TARGET, use_sliding_window=True, sliding_window=64, max_window_layers=4),  # no layer from 4 on
+    _with(TARGET, use_sliding_window=True, sliding_window=None, max_window_layers=0),  # no window to slide
+    _with(TARGET, use_sliding_window=True, sliding_window=64, layer_types=["full_attention"] * 4),
+], ids=["qwen2.5-coder", "qwen3", "smollm2", "ours", "swish", "whole rotary", "full layer types", "no layer past",
+        "no window", "explicit full layers"])
+def test_keys_at_values_that_keep_the_maths_load(hf):
+    """Real configs ship the sliding-window keys switched off (Qwen2: sliding_window 32768 beside
+    use_sliding_window false, as transformers reads it: no window); such values load."""
+    assert rj.ModelConfig.from_hf(hf).num_layers == 4
+
+
+def test_the_drafters_hidden_act_and_partial_rotary_factor_are_read_too():
+    for changes, pattern in ((dict(hidden_act="gelu_pytorch_tanh"), r"hidden_act: 'gelu_pytorch_tanh' is not "
+                                                                     r"implemented; retrace-jax implements 'silu'"),
+                             (dict(partial_rotary_factor=0.5), r"partial_rotary_factor: 0\.5 is not implemented")):
+        with pytest.raises(rj.ConfigError, match=pattern):
+            rj.DrafterConfig.from_hf(_with(DRAFTER, **changes))
+    assert rj.DrafterConfig.from_hf(_with(DRAFTER, hidden_act="silu", partial_rotary_factor=1.0)).retrace is not None
+
+
 DRAFTER_CASES = {
     "block_size as a string": (dict(block_size="8"), r"block_size: expected an integer, got '8'"),
     "block_size as a float": (dict(block_size=8.7), r"block_size: expected an integer, got 8\.7"),
