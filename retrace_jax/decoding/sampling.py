@@ -66,10 +66,14 @@ def _kth(desc_nc, k):
 
 
 def _top_p_threshold(desc_nc, z_n1, top_p):
-    """The smallest logit of the shortest prefix of ``desc`` whose mass reaches ``top_p`` (at least one)."""
+    """The smallest logit of the shortest prefix of ``desc`` whose mass reaches ``top_p`` (at least one).
+
+    The first entry is kept whatever ``top_p`` is: a ``top_p`` below float32's smallest normal number
+    (1e-40) is flushed to 0, where no mass is below it, and no kept token would leave every
+    log-probability NaN."""
     probs = jnp.exp(desc_nc - z_n1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = mass_before < top_p
+    keep = (mass_before < top_p) | (jnp.arange(desc_nc.shape[-1]) == 0)
     return jnp.min(jnp.where(keep, desc_nc, jnp.inf), axis=-1, keepdims=True)
 
 

@@ -144,3 +144,14 @@ def test_decode_demo_runs_a_shipped_pair_with_its_prompt(argv, name, raw, hf_mod
     assert blocks == [None, block]  # the pair's demo block (None: the drafter's own)
     drafter_line = next(line for line in lines if line.startswith("drafter:"))
     assert (f"run at block {block}" in drafter_line) is (block is not None), drafter_line
+
+
+def test_decode_with_a_tiny_top_p_prints_the_greedy_tokens(monkeypatch, capsys):
+    """decode.py --temperature 1 --top-p 1e-40 printed token id 0 everywhere: a top_p this small keeps only
+    the most likely token (the tiny float32 target has no ties)."""
+    monkeypatch.setenv("RETRACE_JAX_CACHE_DIR", "")
+    printed = []
+    for argv in (["--temperature", "1", "--top-p", "1e-40"], []):
+        decode.main(["--target", "tiny", "--max-new-tokens", "8", "--runs", "1", *argv])
+        printed.append(next(line for line in capsys.readouterr().out.splitlines() if line.startswith("token ids:")))
+    assert printed[0] == printed[1] and printed[0] != "token ids: [0, 0, 0, 0, 0, 0, 0, 0]", printed

@@ -43,3 +43,45 @@ def test_filters_match_full_sort(top_k, top_p, scale):
 def test_cap_is_below_the_test_vocabulary():
     """The cases above exercise both paths only while the cap is smaller than their vocabulary."""
     assert sampling.TOP_CAP < 300 < 1000
+
+
+TINY_TOP_P = [1e-40, 1e-38, 1e-45, 5e-324]  # below float32's smallest normal number, or 0 once rounded to it
+
+
+@pytest.mark.parametrize("top_p", TINY_TOP_P + [1e-8])
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_a_tiny_top_p_keeps_only_the_most_likely_token(top_p, top_k):
+    """top_p=1e-40 kept no token at all: float32 flushed it to 0, and every log-probability was NaN."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((3, 1000)).astype(np.float32)
+    logits[2, [7, 300]] = logits[2].max() + 1  # a tie at the top: both are kept
+    mode = SamplingMode(sample=True, top_k=top_k > 0, top_p=True)
+    got = np.asarray(filtered_logprobs(jnp.asarray(logits), jnp.float32(1.0), jnp.int32(top_k), jnp.float32(top_p),
+                                       mode))
+    for row in range(3):
+        top = np.flatnonzero(logits[row] == logits[row].max())
+        assert np.flatnonzero(np.isfinite(got[row])).tolist() == top.tolist()
+        np.testing.assert_allclose(got[row][top], -np.log(top.size), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_tiny_top_p_samples_as_greedy_decoding(dtype):
+    """rj.generate(..., temperature=1.0, top_p=1e-40) returned token 0 everywhere. A tiny top_p keeps the
+    tokens of the largest logit, as top_k=1 does: the same tokens for the same seed. That is greedy
+    decoding wherever the largest logit is one token's; in bfloat16 the tiny target's second row meets an
+    exact tie (tokens 313 and 463 at its ninth step), and both filters keep both tokens."""
+    import retrace_jax as rj
+
+    target = rj.tiny.tiny_target(dtype=dtype)
+    drafter = rj.init_drafter(target.cfg, mask_token_id=511, num_layers=1, block_size=4, dtype=dtype)
+    prompts = [[1, 2, 3], [4, 5]]
+    greedy = rj.generate(target, prompts, 16).tokens
+    top_1 = rj.generate(target, prompts, 16, temperature=1.0, top_k=1, seed=0).tokens
+    assert top_1 == greedy or dtype == "bfloat16"
+    assert top_1[0] == greedy[0]
+    for top_p in TINY_TOP_P:
+        assert rj.generate(target, prompts, 16, temperature=1.0, top_p=top_p, seed=0).tokens == top_1, top_p
+    speculative = dict(drafter=drafter, temperature=1.0, seed=0)
+    spec_top_1 = rj.generate(target, prompts, 16, top_k=1, **speculative).tokens
+    assert spec_top_1[0] == greedy[0] and (spec_top_1 == greedy or dtype == "bfloat16")
+    assert rj.generate(target, prompts, 16, top_p=1e-40, **speculative).tokens == spec_top_1
