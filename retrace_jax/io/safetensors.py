@@ -10,6 +10,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from retrace_jax.errors import CheckpointError
+from retrace_jax.io.files import regular_file
 
 SINGLE_FILE = "model.safetensors"
 
@@ -37,23 +38,24 @@ class TensorReader:
     def __init__(self, directory: str):
         index_path = os.path.join(directory, INDEX_FILE)
         single_path = os.path.join(directory, SINGLE_FILE)
-        if os.path.isfile(index_path) and os.path.isfile(single_path):
+        # what is there must be a file (a directory or a FIFO is said to be one, and never opened)
+        present = [p for p in (index_path, single_path) if os.path.lexists(p) and regular_file(p, p)]
+        if len(present) == 2:
             raise CheckpointError(f"{directory} holds both {SINGLE_FILE} and {INDEX_FILE}; one of them is stale "
                                   f"(remove it)")
         self._files: dict[str, object] = {}  # file name -> its open safe_open handle
         self._headers: dict[str, tuple[str, tuple[int, ...]]] = {}  # tensor -> (type, shape) in its file
-        if os.path.isfile(index_path):
+        if index_path in present:
             weight_map = _read_weight_map(index_path)
             for file in sorted(set(weight_map.values())):
-                path = os.path.join(directory, file)
-                if not os.path.isfile(path):
-                    raise FileNotFoundError(f"{INDEX_FILE} lists {file}, which is missing from {directory}")
+                path = regular_file(os.path.join(directory, file),
+                                    f"{INDEX_FILE} lists {file}, which is missing from {directory}")
                 stored = self._open(path, file)
                 absent = sorted(n for n, f in weight_map.items() if f == file and n not in stored)
                 if absent:
                     raise CheckpointError(f"{path} lacks tensors that {INDEX_FILE} places there: {short_names(absent)}")
                 self._headers.update((n, stored[n]) for n, f in weight_map.items() if f == file)
-        elif os.path.isfile(single_path):
+        elif present:
             self._headers = self._open(single_path, SINGLE_FILE)
             weight_map = {name: SINGLE_FILE for name in self._headers}
         else:

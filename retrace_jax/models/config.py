@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 
 from retrace_jax.errors import ConfigError
+from retrace_jax.io.files import regular_file
 from retrace_jax.models.layers import BlockSpec
 from retrace_jax.validation import (
     Bool,
@@ -270,8 +271,7 @@ def read_config_json(directory: str) -> dict[str, Any]:
     path = os.path.join(directory, "config.json")
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"model directory not found: {directory}")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no config.json in {directory}")
+    regular_file(path, f"no config.json in {directory}", ConfigError)  # a directory, a FIFO: said so, not opened
     try:
         with open(path, encoding="utf-8") as f:
             hf = json.load(f)
