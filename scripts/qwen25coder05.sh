@@ -35,11 +35,11 @@ if [ ! -f "$D/code_mix_varied.jsonl" ]; then
     mv "$D/code_mix_varied.jsonl.tmp" "$D/code_mix_varied.jsonl"
 fi
 # ship RUN DIR: the bfloat16 copy of RUN's drafter that ships in the package (DIR), as a plain directory
-# (save_drafter's versioned layout is a symbolic link, which package data cannot hold)
+# (save_drafter's versioned layout is a symbolic link, which package data cannot hold), with the
+# SHA256SUMS that rj.assets.shipped_drafter checks
 ship() {
-    python -c "import retrace_jax as rj; t = rj.load_target('$M'); \
-rj.save_drafter(rj.load_drafter('$1/drafter', t), '$1/drafter_bf16', dtype='bfloat16')"
-    rm -rf "$2" && cp -rL "$1/drafter_bf16" "$2"
+    python -c "import retrace_jax as rj; from retrace_jax.assets.shipped import ship_drafter; \
+t = rj.load_target('$M'); ship_drafter(rj.load_drafter('$1/drafter', t), '$2')"
 }
 # against_b NAME RUN OUT: τ of B, NAME (RUN's drafter) and NAME with its memory off on 64 prompts of each
 # set, T = 0, with 95% bootstrap intervals over prompts; OUT_{humaneval,heldout}.json

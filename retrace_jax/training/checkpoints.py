@@ -34,11 +34,9 @@ import orbax.checkpoint as ocp
 
 from retrace_jax.errors import CheckpointError
 from retrace_jax.io.atomic import write_error
-from retrace_jax.io.digest import file_sha256
+from retrace_jax.io.digest import CHECKSUMS, changed_files, read_checksums, write_checksums
 from retrace_jax.parallel.distributed import agree_any, barrier
 from retrace_jax.training.data import settings_differences  # noqa: F401 -- still importable from here
-
-CHECKSUMS = "SHA256SUMS"  # in each step directory: the sha256 of every other file of the checkpoint
 
 
 class Checkpoints:
@@ -141,15 +139,10 @@ class Checkpoints:
         path = os.path.join(self.directory, str(step))
         if not os.path.isdir(path):  # already removed (max_to_keep), or never committed
             return
-        lines = "".join(f"{digest}  {name}\n" for name, digest in _file_digests(path).items())
-        target = os.path.join(path, CHECKSUMS)
         try:
-            with open(target + ".tmp", "w") as f:
-                f.write(lines)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(target + ".tmp", target)
+            write_checksums(path)
         except OSError as err:
+            target = os.path.join(path, CHECKSUMS)
             raise write_error(err, f"the checksums of checkpoint {step} could not be written to {target}") from err
 
     def verify(self, step: int) -> bool:
@@ -178,27 +171,14 @@ class Checkpoints:
     def _compare_checksums(self, step: int) -> bool:
         path = os.path.join(self.directory, str(step))
         try:
-            with open(os.path.join(path, CHECKSUMS)) as f:
-                text = f.read()
-        except FileNotFoundError:
-            return False
-        except (OSError, UnicodeDecodeError) as err:
-            raise CheckpointError(f"checkpoint {step} in {self.directory} cannot be read (its {CHECKSUMS} cannot be "
-                                  f"read: {err})") from None
-        recorded = {}
-        for line in text.splitlines():
-            digest, sep, name = line.partition("  ")
-            if not sep or len(digest) != 64 or not name:
-                raise CheckpointError(f"checkpoint {step} in {self.directory} cannot be read (its {CHECKSUMS} is "
-                                      f"damaged)")
-            recorded[name] = digest
-        try:
-            found = _file_digests(path, only=recorded)
-        except OSError as err:
+            recorded = read_checksums(path)
+            if recorded is None:
+                return False
+            bad = changed_files(path, recorded)
+        except (OSError, ValueError) as err:
             raise CheckpointError(f"checkpoint {step} in {self.directory} cannot be read ({err})") from None
-        bad = [name for name, digest in recorded.items() if found.get(name) != digest]
         if bad:
-            named = ", ".join(f"{name}{'' if name in found else ' (missing)'}" for name in bad[:3])
+            named = ", ".join(bad[:3])
             more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
             raise CheckpointError(f"checkpoint {step} in {self.directory} cannot be read (its files differ from the "
                                   f"checksums recorded when it was saved: {named}{more})")
@@ -276,23 +256,6 @@ class _QuietWriteFailures(logging.Filter):
         abandoned = "/orbax/" in getattr(getattr(unraisable.object, "cr_code", None), "co_filename", "")
         if not (closed_loop or abandoned):
             self.previous(unraisable)
-
-
-def _file_digests(directory: str, only=None) -> dict[str, str]:
-    """``{relative path: sha256}`` of the files under ``directory`` (those named in ``only``, when given),
-    the checksum file itself left out."""
-    out = {}
-    for root, dirs, files in os.walk(directory):
-        dirs.sort()
-        for name in sorted(files):
-            path = os.path.join(root, name)
-            rel = os.path.relpath(path, directory).replace(os.sep, "/")
-            if rel in (CHECKSUMS, CHECKSUMS + ".tmp") or (only is not None and rel not in only):
-                continue
-            if os.path.islink(path) or not os.path.isfile(path):
-                continue
-            out[rel] = file_sha256(path)
-    return out
 
 
 def _reason(err: BaseException) -> str:

@@ -4,11 +4,16 @@ drafter shipped for the demo."""
 import gzip
 import json
 import os
+import re
+import shutil
+import tomllib
 
 import pytest
 from safetensors import safe_open
 
+import retrace_jax as rj
 from retrace_jax.assets import prompts, shipped
+from retrace_jax.errors import CheckpointError
 
 # config.json of SmolLM2-135M-Instruct as retrace_jax.assets writes it
 from retrace_jax.io.checkpoints import read_draft_vocab
@@ -84,3 +89,72 @@ def test_shipped_drafters_fit_their_targets(model, variant, hf, layers):
     if cfg.draft_vocab_size is not None:
         ids = read_draft_vocab(path, cfg)
         assert cfg.draft_vocab_size == len(ids) == len(set(ids.tolist())) and ids.max() < hf["vocab_size"]
+
+
+@pytest.fixture
+def shipped_copy(tmp_path, monkeypatch):
+    """The shipped drafters copied to ``tmp_path``, where ``shipped_drafter`` now finds them."""
+    copy = tmp_path / "drafters"
+    shutil.copytree(shipped.DRAFTERS_DIR, copy)
+    monkeypatch.setattr(shipped, "DRAFTERS_DIR", str(copy))
+    return copy
+
+
+def _flip_a_bit(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 1]))
+
+
+@pytest.mark.parametrize("model, variant", [(m, v) for m, variants in shipped.SHIPPED.items() for v in variants])
+def test_a_shipped_drafter_is_checked_against_its_recorded_checksums(shipped_copy, model, variant):
+    """Each shipped drafter records the sha256 of its files in SHA256SUMS (sha256sum's format) when it
+    ships; shipped_drafter compares them, as a training checkpoint's are: a flipped bit in the weights
+    (which would load without complaint) is refused, naming the file."""
+    path = shipped.shipped_drafter(model, variant)
+    with open(os.path.join(path, "SHA256SUMS")) as f:
+        listed = sorted(line.split("  ", 1)[1] for line in f.read().splitlines())
+    assert listed == sorted(n for n in os.listdir(path) if n != "SHA256SUMS") and "model.safetensors" in listed
+    _flip_a_bit(os.path.join(path, "model.safetensors"), os.path.getsize(os.path.join(path, "model.safetensors")) - 3)
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"the shipped drafter in {path} differs from the checksums recorded when it shipped: model.safetensors")):
+        shipped.shipped_drafter(model, variant)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda path: os.remove(os.path.join(path, "SHA256SUMS")), "has no SHA256SUMS"),
+    (lambda path: open(os.path.join(path, "SHA256SUMS"), "a").write("not a checksum line\n"), "SHA256SUMS is damaged"),
+    (lambda path: open(os.path.join(path, "extra.safetensors"), "w").close(),
+     "holds files that its SHA256SUMS does not list: extra.safetensors"),
+    (lambda path: os.remove(os.path.join(path, "config.json")), "config.json (missing)"),
+])
+def test_a_shipped_drafter_without_its_checksums_or_with_other_files_is_refused(shipped_copy, damage, message):
+    path = shipped.shipped_drafter("smollm2-135m-instruct")
+    damage(path)
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        shipped.shipped_drafter("smollm2-135m-instruct")
+
+
+def test_ship_drafter_writes_what_shipped_drafter_accepts(shipped_copy, monkeypatch):
+    """The shipping path (scripts/qwen25coder05.sh, scripts/smollm2_demo.sh): a plain directory of bfloat16
+    tensors and its SHA256SUMS, replacing what was there."""
+    target = rj.tiny.tiny_target()
+    drafter = rj.init_drafter(target.cfg, mask_token_id=3, num_layers=1, block_size=4)
+    monkeypatch.setitem(shipped.SHIPPED, "tiny", {"default": "tiny-dflash"})
+    destination = os.path.join(shipped_copy, "tiny-dflash")
+    os.mkdir(destination)
+    open(os.path.join(destination, "stale.safetensors"), "w").close()
+    shipped.ship_drafter(drafter, destination)
+    path = shipped.shipped_drafter("tiny")
+    assert path == destination and not os.path.islink(path)
+    assert sorted(os.listdir(path)) == ["SHA256SUMS", "config.json", "model.safetensors"]
+    assert rj.load_drafter(path, target, dtype="bfloat16").cfg == drafter.cfg
+
+
+def test_the_checksums_ship_as_package_data():
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                           "pyproject.toml"), "rb") as f:
+        data = tomllib.load(f)["tool"]["setuptools"]["package-data"]["retrace_jax"]
+    assert "assets/drafters/*/SHA256SUMS" in data
