@@ -101,7 +101,7 @@ def _load_drafter(path: str, target: TargetModel, dtype, retrace: bool | ReTrace
     check_drafter_matches(cfg, target.cfg)
     check_divisible("drafter", cfg.num_heads, cfg.num_kv_heads, mesh)
     reader = TensorReader(path)
-    aliases = strip_prefix(reader.names(), "model.")
+    aliases = strip_prefix(reader.names(), "model.", path)
     # The names first: a config that does not fit its checkpoint is refused before anything is built
     check_layers(aliases, "layers.", cfg.num_layers, path)
     specs = drafter_specs(cfg)

@@ -133,8 +133,16 @@ def _read_weight_map(index_path: str) -> dict[str, str]:
     return weight_map
 
 
-def strip_prefix(names: Iterable[str], prefix: str) -> dict[str, str]:
-    """Maps names without ``prefix`` to the stored names (for checkpoints saved with a ``model.`` prefix)."""
+def strip_prefix(names: Iterable[str], prefix: str, directory: str = "the checkpoint") -> dict[str, str]:
+    """Maps names without ``prefix`` to the stored names (for checkpoints saved with a ``model.`` prefix).
+    A tensor stored both with and without the prefix is a ``CheckpointError`` naming ``directory``: one of
+    them is stale, and neither may silently win (as :class:`TensorReader` refuses two layouts side by side)."""
+    names = set(names)
+    twice = sorted(n for n in names if n.startswith(prefix) and n[len(prefix) :] in names)
+    if twice:
+        pairs = [f"{n[len(prefix):]} and {n}" for n in twice]
+        raise CheckpointError(f"{directory} holds both {short_names(pairs, limit=3)}: the same tensors with and "
+                              f"without the {prefix!r} prefix; one of each is stale (remove it)")
     return {n[len(prefix) :] if n.startswith(prefix) else n: n for n in names}
 
 

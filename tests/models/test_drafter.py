@@ -155,6 +155,20 @@ def test_model_prefix_is_accepted(target, drafter, tmp_path):
     np.testing.assert_array_equal(np.asarray(loaded.fc.kernel[...]), np.asarray(drafter.fc.kernel[...]))
 
 
+def test_a_tensor_with_and_without_the_model_prefix_is_refused(target, drafter, tmp_path):
+    """fc.weight beside model.fc.weight: one of them is stale, and neither may silently win (as a
+    directory holding both weight layouts is refused)."""
+    rj.save_drafter(drafter, str(tmp_path))
+    path = str(tmp_path / "model.safetensors")
+    tensors = load_file(path)
+    save_file({**tensors, "model.fc.weight": np.zeros_like(tensors["fc.weight"]),
+               "model.norm.weight": tensors["norm.weight"]}, path)
+    with pytest.raises(rj.CheckpointError, match=(
+            rf"{tmp_path}\S* holds both fc\.weight and model\.fc\.weight, norm\.weight and model\.norm\.weight: "
+            r"the same tensors with and without the 'model\.' prefix; one of each is stale \(remove it\)")):
+        rj.load_drafter(str(tmp_path), target)
+
+
 def test_drafter_for_another_target_is_refused(target, drafter, tmp_path):
     rj.save_drafter(drafter, str(tmp_path))
     other_cfg = dataclasses.replace(target.cfg, hidden_size=32, num_layers=2, vocab_size=100)
