@@ -265,6 +265,8 @@ def check_manifest(out_dir: str, settings: PrepareSettings, target: dict | None 
     if diff:
         raise DataError(f"{out_dir} holds data prepared with other settings ({describe_differences(diff)}); {how}")
     saved = existing.get("target")
+    if saved is not None and target is not None and "precision" in target:
+        saved = {"precision": "float32", **saved}  # recorded since target_precision exists; float32 before
     diff = settings_differences(saved, target) if target is not None and saved is not None else {}
     if diff:
         moved = (f"; if it is the same model moved, set \"path\" in {manifest_path} to {target['path']!r}"
@@ -283,7 +285,8 @@ def unrecorded(manifest: dict, settings: PrepareSettings, target: dict | None = 
 
 
 def _describe_target(target: dict) -> str:
-    return f"{target.get('path')} ({target.get('dtype')}, config.json sha256 {target.get('config_sha256')})"
+    products = f", {target['precision']} products" if target.get("precision", "float32") != "float32" else ""
+    return f"{target.get('path')} ({target.get('dtype')}{products}, config.json sha256 {target.get('config_sha256')})"
 
 
 def begin_manifest(out_dir: str, settings: PrepareSettings, create: bool = True, target: dict | None = None) -> dict:

@@ -18,6 +18,7 @@ from retrace_jax.decoding.generation import generate
 from retrace_jax.errors import ConfigError
 from retrace_jax.io.atomic import write_error
 from retrace_jax.io.checkpoints import save_drafter
+from retrace_jax.models.layers import bfloat16_kernels
 from retrace_jax.parallel.distributed import barrier
 from retrace_jax.training.data import SequenceData
 from retrace_jax.training.dflash_loss import target_features
@@ -66,22 +67,27 @@ FEATURE_CACHE_LIMIT = 16 << 30  # unused, still importable: the feature cache is
 
 
 def cached_features(target, layer_ids, data: SequenceData, batch_size: int, log, store_root: str,
-                    target_id: str = "") -> FeatureStore:
+                    target_id: str = "", precision: str = "float32") -> FeatureStore:
     """The frozen target's features of every sequence, computed once into a :class:`FeatureStore` under
     ``store_root`` (the prepared data's directory; one process) and reused by later runs. ``target_id``
-    (the target's path) is part of the store's key."""
+    (the target's path) and ``precision`` (the products': ``"bfloat16"`` runs the pass with bfloat16
+    operands, as ``train.target_precision`` asks) are part of the store's key."""
     width = len(layer_ids) * target.cfg.hidden_size
-    key = store_key(target_id, layer_ids, data.seq_len, target.dtype, len(data))
+    key = store_key(target_id, layer_ids, data.seq_len, target.dtype, len(data), precision)
     store = FeatureStore(store_root, key, [len(t) for t in data.tokens], width)
     if store.done < len(data):
         free = shutil.disk_usage(store_root).free
         if not os.path.exists(store.dir) and store.nbytes > free:
             raise ConfigError(f"train.feature_cache needs {store.nbytes / 2**30:.1f} GiB in {store_root}, "
                                      f"which has {free / 2**30:.1f} GiB free; compute features online instead")
-    graphdef, state = nnx.split(target)
+    graphdef, state = nnx.split(bfloat16_kernels(target) if precision == "bfloat16" else target)
     fn = jax.jit(lambda st, tokens: target_features(nnx.merge(graphdef, st), tokens, tuple(layer_ids)))
-    return store.build(lambda tokens: jax.device_get(fn(state, tokens)), lambda idx: data.rows(idx)[0], batch_size,
-                       log)
+
+    def features_of(tokens):
+        with jax.default_matmul_precision(precision):
+            return jax.device_get(fn(state, tokens))
+
+    return store.build(features_of, lambda idx: data.rows(idx)[0], batch_size, log)
 
 
 class MetricsLog:

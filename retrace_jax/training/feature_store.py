@@ -27,9 +27,13 @@ META = "meta.json"
 ARRAY = "features.npy"
 
 
-def store_key(target_path: str, layer_ids, seq_len: int, dtype, num_sequences: int) -> dict:
-    return {"target": os.path.abspath(os.path.expanduser(str(target_path))), "layer_ids": [int(i) for i in layer_ids],
-            "seq_len": int(seq_len), "dtype": np.dtype(dtype).name, "num_sequences": int(num_sequences)}
+def store_key(target_path: str, layer_ids, seq_len: int, dtype, num_sequences: int,
+              precision: str = "float32") -> dict:
+    """What decides a store's values. ``precision`` (the target's products) is a key only when it is not
+    float32, so stores made before it existed keep their directories."""
+    key = {"target": os.path.abspath(os.path.expanduser(str(target_path))), "layer_ids": [int(i) for i in layer_ids],
+           "seq_len": int(seq_len), "dtype": np.dtype(dtype).name, "num_sequences": int(num_sequences)}
+    return key if precision == "float32" else {**key, "precision": precision}
 
 
 class FeatureStore:

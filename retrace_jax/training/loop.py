@@ -328,7 +328,7 @@ def _run(cfg: TrainConfig, setup: _Setup, eval_ids, ckpts, start, log) -> dict:
     features = None
     if t.feature_cache:
         features = cached_features(target, drafter.cfg.target_layer_ids, data, t.batch_size, log, cfg.data_dir,
-                                   cfg.target)
+                                   cfg.target, precision=cfg.target_precision)
     if start:
         start, drafter_state, opt_state = restore_newest_readable(ckpts, drafter_state, opt_state, settings, cfg.out,
                                                                   log)

@@ -23,6 +23,7 @@ from retrace_jax.decoding.generation import generate
 from retrace_jax.io.checkpoints import load_drafter, load_target
 from retrace_jax.io.digest import file_sha256
 from retrace_jax.models.config import read_config_json
+from retrace_jax.models.layers import bfloat16_kernels
 from retrace_jax.models.tiny import TINY_QWEN3, tiny_target
 from retrace_jax.parallel.distributed import barrier
 from retrace_jax.parallel.placement import shard_model
@@ -105,12 +106,13 @@ def data_settings(cfg: TrainConfig, num_prompts: int | None = None) -> PrepareSe
 def target_identity(cfg: TrainConfig) -> dict:
     """The target that prepared data comes from, as its manifest records it: the directory ("tiny" for
     the tiny random target), a digest of its ``config.json`` (another size or family) and
-    ``target_dtype`` (bfloat16 responses differ from float32's). Another directory is another target
+    ``target_dtype`` and ``target_precision`` (bfloat16 responses and products differ from float32's; a
+    manifest written before ``precision`` was recorded had float32 products). Another directory is another target
     too: a model fine-tuned from the same base has the same ``config.json``."""
     hf = TINY_QWEN3.to_hf() if cfg.target == "tiny" else read_config_json(cfg.target)
     digest = hashlib.sha256(json.dumps(hf, sort_keys=True).encode()).hexdigest()[:16]
     return {"path": "tiny" if cfg.target == "tiny" else os.path.abspath(cfg.target), "config_sha256": digest,
-            "dtype": cfg.target_dtype}
+            "dtype": cfg.target_dtype, "precision": cfg.target_precision}
 
 
 def check_prepared(cfg, log=print, settings: PrepareSettings | None = None) -> PrepareSettings:
@@ -139,6 +141,8 @@ def _prepare(cfg: TrainConfig, log) -> str:
     nproc, pid = jax.process_count(), jax.process_index()
     settings = check_prepared(cfg, log)  # data made otherwise is refused before the target loads
     target, tokenizer = build_target(cfg)  # each process regenerates on its own devices
+    if cfg.target_precision == "bfloat16":
+        target = bfloat16_kernels(target)
     ids = prompt_ids(cfg, target.cfg.vocab_size, tokenizer, log)
     n_eval = d.eval_prompts
     if len(ids) <= n_eval:
@@ -166,8 +170,9 @@ def _prepare(cfg: TrainConfig, log) -> str:
         tokens = [None] * len(chunk)
         for i in range(0, len(chunk), d.gen_batch_size):
             rows = order[i : i + d.gen_batch_size]
-            res = generate(target, [chunk[j] for j in rows], d.max_new_tokens, drafter=drafter,
-                           temperature=d.temperature, stop_token_ids=stops, seed=first_index + i)
+            with jax.default_matmul_precision(cfg.target_precision):
+                res = generate(target, [chunk[j] for j in rows], d.max_new_tokens, drafter=drafter,
+                               temperature=d.temperature, stop_token_ids=stops, seed=first_index + i)
             for j, new in zip(rows, res.tokens):
                 tokens[j] = new
         return tokens

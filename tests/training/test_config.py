@@ -89,6 +89,7 @@ def test_overrides_are_typed(config):
     ("data.thinking=no thanks", "--set data.thinking: expected true or false, got 'no thanks'"),
     ("data.prompts=[a, b]", "--set data.prompts: expected a string, got ['a', 'b']"),
     ("target=123", "--set target: expected a string, got 123"),
+    ("target_precision=float16", "--set target_precision: must be 'float32' or 'bfloat16', got 'float16'"),
     ("out=5", "--set out: expected a string, got 5"),
     ("train.nope=1", "--set train.nope: unknown key"),
     ("train.stpes=1", "--set train.stpes: unknown key; did you mean 'steps'?"),

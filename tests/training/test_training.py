@@ -14,6 +14,7 @@ from safetensors.numpy import load_file
 import retrace_jax as rj
 import train
 from retrace_jax.training.config import load_config
+from retrace_jax.training.prepare import check_prepared
 from retrace_jax.training.data import (
     DataError,
     PrepareSettings,
@@ -675,3 +676,24 @@ def test_export_reads_checkpoints_and_refuses_clearly(workspace, dflash_run, cap
     with pytest.raises(SystemExit) as exit_:  # argparse: --step only with --stage export
         train.main(["--config", config, "--step", "20"])
     assert exit_.value.code == 2
+
+
+def test_data_of_float32_products_is_refused_for_bfloat16_products_and_old_manifests_read_as_float32(
+        workspace, dflash_run, tmp_path, capsys):
+    """target_precision is part of the data's target: bfloat16 products do not continue float32 data, and
+    a manifest written before the key existed counts as float32 products."""
+    root, config = workspace
+    target = load_config(config).target
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={tmp_path}/a", "--set",
+                                            "target_precision=bfloat16", "--stage", "prepare"])
+    assert f"was prepared with another target: {target} (float32, config.json" in message, message
+    assert f"then, {target} (float32, bfloat16 products, config.json" in message, message
+    old = tmp_path / "old_data"
+    shutil.copytree(root / "data", old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    assert manifest["target"].pop("precision") == "float32"
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    cfg = load_config(config, [f"data.dir={old}"])
+    check_prepared(cfg)  # float32 products: accepted
+    with pytest.raises(DataError, match="bfloat16 products"):
+        check_prepared(load_config(config, [f"data.dir={old}", "target_precision=bfloat16"]))
