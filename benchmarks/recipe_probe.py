@@ -1,0 +1,284 @@
+"""The recipe probe: train a drafter from a configuration for its short, fixed budget, then measure how
+well it fits, lever by lever.
+
+    # the data first (resumable): train.py --config configs/qwen25coder05_probe.yaml --stage prepare
+    python benchmarks/recipe_probe.py run base --config configs/qwen25coder05_probe.yaml
+    python benchmarks/recipe_probe.py run b8 --config configs/qwen25coder05_probe.yaml --set drafter.block_size=8
+    python benchmarks/recipe_probe.py table runs/probes/base/probe.json runs/probes/b8/probe.json --baseline base
+
+``run NAME`` trains into ``ROOT/NAME`` (``train.py --stage train``: the prepared data of the configuration,
+resumed exactly when rerun), then measures its drafter on two sets of sequences, each a prompt and the
+target's greedy response in float32 (made once and kept in ``ROOT/_sets``):
+
+- **dev**: prompts that no training prompt comes from (``--dev``, default the held-out package pieces
+  ``code_heldout.jsonl``, lines ``--dev-lines``; the first 64 lines are the final evaluation's, so the
+  default takes lines 128-191): the set every lever is chosen on; HumanEval is kept for the final drafters.
+- **fit**: ``--fit`` prompts spread evenly over the configuration's training prompts (the fit gap: a drafter
+  short of data fits these better than dev; one short of recipe fits neither).
+
+On each, at every block size of ``--blocks``, blocks are drafted at up to ``--anchors`` anchors spread over
+each response from the target's float32 features (:mod:`retrace_jax.training.probe`: for a greedy target
+this is exactly what a speculative round starting there accepts), giving each sequence's τ and the
+per-slot acceptance (slot k: the share of blocks that reach slot k whose slot k is accepted). The result,
+``ROOT/NAME/probe.json`` (``--out`` copies it), also holds the training time and last logged metrics.
+
+``table`` prints one row per probe: dev τ at each block, its ratio to the baseline's at every block with a
+95% bootstrap interval over dev sequences (paired: every probe sees the same sequences), dev slot
+acceptance 1-4 at the largest block, fit τ, and the fit gap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+
+from benchmarks.report import write_json  # noqa: E402
+from benchmarks.retrace_positions import paired_ratio  # noqa: E402
+
+DEV = os.path.expanduser("~/.cache/retrace_jax/data/code_heldout.jsonl")
+
+
+def _lines(spec: str) -> slice:
+    start, sep, stop = spec.partition(":")
+    if not sep or not start.isdigit() or not stop.isdigit() or int(stop) <= int(start):
+        raise SystemExit(f"--dev-lines expects START:STOP (0-based, STOP > START), got {spec!r}")
+    return slice(int(start), int(stop))
+
+
+def sequences_of(target, prompts: list[list[int]], max_new_tokens: int, stops: list[int], batch_size: int = 32):
+    """``tokens [N, S]`` and ``loss_mask [N, S]`` of each prompt and the target's greedy float32
+    response (prompts whose response is shorter than a block are kept: they simply hold no anchors)."""
+    import retrace_jax as rj
+
+    rows = []
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i : i + batch_size]
+        out = rj.generate(target, chunk, max_new_tokens, stop_token_ids=stops)
+        rows += [(list(p), list(r)) for p, r in zip(chunk, out.tokens)]
+    length = max(len(p) + len(r) for p, r in rows)
+    tokens = np.zeros((len(rows), length), np.int32)
+    mask = np.zeros_like(tokens)
+    for n, (p, r) in enumerate(rows):
+        tokens[n, : len(p) + len(r)] = p + r
+        mask[n, len(p) : len(p) + len(r)] = 1
+    return tokens, mask
+
+
+def cached(path: str, build):
+    """The arrays of ``path`` (an ``.npz``), built and written atomically by ``build()`` when absent."""
+    if os.path.exists(path):
+        with np.load(path) as z:
+            return {k: z[k] for k in z.files}
+    arrays = build()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    np.savez(path + ".tmp.npz", **arrays)
+    os.replace(path + ".tmp.npz", path)
+    return arrays
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def evaluation_sets(cfg, target, tokenizer, args) -> dict[str, dict]:
+    """``{"dev": {...}, "fit": {...}}``: tokens and loss masks of both sets, kept in ``ROOT/_sets``."""
+    from retrace_jax.training.data import SequenceData, chat_encoder, iter_prompt_ids, read_prompts
+
+    stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    lines = _lines(args.dev_lines)
+    new = cfg.data.max_new_tokens
+    dev_key = {"target": os.path.abspath(cfg.target), "prompts": os.path.abspath(args.dev), "lines": args.dev_lines,
+               "new": new}
+
+    def dev():
+        prompts = read_prompts(args.dev, lines.stop)[lines]
+        if len(prompts) < lines.stop - lines.start:
+            raise SystemExit(f"{args.dev} has {lines.start + len(prompts)} prompts, fewer than --dev-lines asks")
+        tokens, mask = sequences_of(target, iter_prompt_ids(prompts, chat_encoder(tokenizer)), new, stops)
+        return {"tokens": tokens, "loss_mask": mask}
+
+    data = SequenceData(cfg.data_dir, 1 << 30)
+    picked = np.unique(np.linspace(0, len(data) - 1, args.fit).round().astype(int))
+    fit_key = {"target": os.path.abspath(cfg.target), "data": os.path.abspath(cfg.data_dir), "picked": picked.tolist(),
+               "new": new}
+
+    def fit():
+        prompts = [data.tokens[i][: int(np.argmax(data.mask[i]))].tolist() for i in picked]
+        tokens, mask = sequences_of(target, prompts, new, stops)
+        return {"tokens": tokens, "loss_mask": mask, "index": picked}
+
+    sets = os.path.join(args.root, "_sets")
+    return {"dev": cached(os.path.join(sets, f"dev-{_digest(dev_key)}.npz"), dev),
+            "fit": cached(os.path.join(sets, f"fit-{_digest(fit_key)}.npz"), fit)}
+
+
+def features_of(target, tokens, layer_ids, root: str, key: dict, batch_size: int = 8):
+    """The target's float32 features ``[N, S, F]`` at ``layer_ids`` for ``tokens``, kept in ``root``."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from retrace_jax.training.dflash_loss import target_features
+
+    def build():
+        graphdef, state = nnx.split(target)
+        fn = jax.jit(lambda st, t: target_features(nnx.merge(graphdef, st), t, tuple(layer_ids)))
+        parts = []
+        for i in range(0, len(tokens), batch_size):
+            chunk = tokens[i : i + batch_size]
+            pad = batch_size - len(chunk)
+            x = np.concatenate([chunk, np.zeros((pad, chunk.shape[1]), chunk.dtype)]) if pad else chunk
+            parts.append(np.asarray(jax.device_get(fn(state, jnp.asarray(x))))[: len(chunk)])
+        return {"features": np.concatenate(parts)}
+
+    return cached(os.path.join(root, f"features-{_digest(key)}.npz"), build)["features"]
+
+
+def measure(drafter, target, sets: dict, blocks: list[int], anchors: int, root: str, target_path: str) -> dict:
+    from retrace_jax.training.probe import teacher_forced_acceptance
+
+    out = {}
+    layers = list(drafter.cfg.target_layer_ids)
+    for name, s in sets.items():
+        feats = features_of(target, s["tokens"], layers, os.path.join(root, "_sets"),
+                            {"target": target_path, "set": _digest(s["tokens"].tolist()), "layers": layers})
+        per_block = {}
+        for w in blocks:
+            a = teacher_forced_acceptance(drafter, target, s["tokens"], s["loss_mask"], feats, w, anchors)
+            per_block[str(w)] = {"tau": float(np.nanmean(a.tau)), "tau_per_sequence": a.tau.tolist(),
+                                 "blocks": int(a.blocks.sum()), "slot_acceptance": a.slot_acceptance.tolist(),
+                                 "slot_reached": a.slot_reached.tolist()}
+        out[name] = {"sequences": len(s["tokens"]), "blocks": per_block}
+    return out
+
+
+def last_metrics(out_dir: str) -> dict:
+    """The last logged training metrics of a run (loss, slot accuracies) from its ``metrics.jsonl``."""
+    last = {}
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                record = json.loads(line)
+                if "loss" in record and "step" in record:
+                    last = record
+    return last
+
+
+def run(args) -> dict:
+    import train as train_cli
+
+    import retrace_jax as rj
+    from retrace_jax.training.config import load_config
+    from retrace_jax.training.data import load_tokenizer
+
+    out_dir = os.path.join(args.root, args.name)
+    sets_args = list(args.set) + [f"out={out_dir}"]
+    cfg = load_config(args.config, sets_args)
+    result_path = os.path.join(out_dir, "probe.json")
+    start = time.perf_counter()
+    if not os.path.exists(os.path.join(out_dir, "drafter")):
+        train_cli.main(["--config", args.config, "--stage", "train"] + [x for s in sets_args for x in ("--set", s)])
+    train_s = time.perf_counter() - start
+    target = rj.load_target(cfg.target, dtype="float32")
+    tokenizer = load_tokenizer(cfg.target)
+    drafter = rj.load_drafter(os.path.join(out_dir, "drafter"), target, dtype="float32")
+    sets = evaluation_sets(cfg, target, tokenizer, args)
+    blocks = [int(b) for b in args.blocks.split(",")]
+    metrics = last_metrics(out_dir)
+    times = [r.get("seconds") for r in _records(out_dir) if r.get("event") == "done"]
+    result = {"name": args.name, "config": os.path.relpath(os.path.abspath(args.config), ROOT), "set": list(args.set),
+              "steps": cfg.train.steps, "batch_size": cfg.train.batch_size, "block_size": drafter.cfg.block_size,
+              "train_seconds_this_call": round(train_s, 1), "train_done": times[-1] if times else None,
+              "last_metrics": metrics, "anchors": args.anchors, "dev": args.dev, "dev_lines": args.dev_lines,
+              **measure(drafter, target, sets, blocks, args.anchors, args.root, os.path.abspath(cfg.target))}
+    write_json(result, result_path)
+    write_json(result, args.out)
+    print_table([result], args.name)
+    return result
+
+
+def _records(out_dir: str) -> list[dict]:
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def print_table(results: list[dict], baseline: str) -> list[dict]:
+    """One row per probe (see the module's docstring); returns the rows."""
+    base = next((r for r in results if r["name"] == baseline), None)
+    if base is None:
+        raise SystemExit(f"--baseline {baseline!r} is none of the probes ({', '.join(r['name'] for r in results)})")
+    blocks = sorted({int(b) for r in results for b in r["dev"]["blocks"]})
+    head = ["probe", "steps"] + [f"dev τ@{b}" for b in blocks] + [f"/ {baseline} @{b}" for b in blocks]
+    head += [f"dev slot acc 1-4 @{blocks[-1]}", f"fit τ@{blocks[-1]}", "fit / dev"]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    rows = []
+    for r in results:
+        row = {"name": r["name"], "set": r["set"]}
+        cells = [r["name"], str(r["steps"])]
+        for b in blocks:
+            d = r["dev"]["blocks"].get(str(b))
+            cells.append(f"{d['tau']:.3f}" if d else "")
+        for b in blocks:
+            d, bd = r["dev"]["blocks"].get(str(b)), base["dev"]["blocks"].get(str(b))
+            if not d or not bd:
+                cells.append("")
+                continue
+            ratio = paired_ratio(np.asarray(d["tau_per_sequence"]), np.asarray(bd["tau_per_sequence"]))
+            row[f"ratio@{b}"] = ratio
+            cells.append(f"{ratio['ratio']:.3f} [{ratio['low']:.3f}, {ratio['high']:.3f}]")
+        d, f = r["dev"]["blocks"].get(str(blocks[-1])), r["fit"]["blocks"].get(str(blocks[-1]))
+        cells.append(" / ".join(f"{x:.2f}" for x in d["slot_acceptance"][:4]) if d else "")
+        cells.append(f"{f['tau']:.3f}" if f else "")
+        cells.append(f"{f['tau'] / d['tau']:.3f}" if f and d else "")
+        print("| " + " | ".join(cells) + " |")
+        rows.append(row)
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="train a probe (resumable) and measure it")
+    r.add_argument("name", help="the probe's name: its directory under --root")
+    r.add_argument("--config", required=True)
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (repeatable)")
+    r.add_argument("--root", default=os.path.join(ROOT, "runs", "probes"))
+    r.add_argument("--dev", default=DEV, help="the dev prompt file (JSONL)")
+    r.add_argument("--dev-lines", default="128:192", help="START:STOP: the dev prompts' lines (0-based)")
+    r.add_argument("--fit", type=int, default=64, help="training prompts spread over the data (the fit set)")
+    r.add_argument("--blocks", default="4,8,16", help="block sizes to measure at")
+    r.add_argument("--anchors", type=int, default=32, help="anchors per sequence")
+    r.add_argument("--out", help="also write the result here")
+    t = sub.add_parser("table", help="compare probes' results")
+    t.add_argument("results", nargs="+", help="probe.json files")
+    t.add_argument("--baseline", default="base")
+    t.add_argument("--out", help="write the rows (with intervals) as JSON")
+    args = p.parse_args(argv)
+    if args.command == "run":
+        if args.fit < 1 or args.anchors < 1:
+            p.error("--fit and --anchors must be positive")
+        return run(args)
+    results = []
+    for path in args.results:
+        with open(path) as f:
+            results.append(json.load(f))
+    rows = print_table(results, args.baseline)
+    write_json({"baseline": args.baseline, "rows": rows, "results": results}, args.out)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""benchmarks/recipe_probe.py end to end on a tiny model: train a probe, measure it, compare two."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import train
+from benchmarks import recipe_probe
+from tests.training.test_training import workspace  # noqa: F401  (the tiny target, its prompts and config)
+
+
+@pytest.fixture(scope="module")
+def prepared(workspace):  # noqa: F811
+    root, config = workspace
+    train.main(["--config", config, "--set", f"out={root}/prep", "--stage", "prepare"])
+    return root, config
+
+
+def test_probes_train_measure_and_compare(prepared, tmp_path, capsys):
+    root, config = prepared
+    common = ["--config", config, "--root", str(tmp_path), "--dev", str(root / "prompts.jsonl"), "--dev-lines", "0:6",
+              "--fit", "5", "--blocks", "3,4", "--anchors", "5", "--set", "train.steps=12",
+              "--set", "train.checkpoint_every=6"]
+    base = recipe_probe.main(["run", "base", *common])
+    other = recipe_probe.main(["run", "lr", *common, "--set", "train.lr=1e-2"])
+    for r in (base, other):
+        assert r["steps"] == 12 and os.path.exists(tmp_path / r["name"] / "drafter")
+        for name, n in (("dev", 6), ("fit", 5)):
+            for b in ("3", "4"):
+                m = r[name]["blocks"][b]
+                assert len(m["tau_per_sequence"]) == n and 1.0 <= m["tau"] <= int(b)
+                assert len(m["slot_acceptance"]) == int(b) - 1 and m["blocks"] > 0
+    assert other["set"][-1] == "train.lr=1e-2" and other["dev"]["blocks"]["4"] != base["dev"]["blocks"]["4"]
+    # the sets are made once and shared: both probes saw the same sequences
+    assert len([f for f in os.listdir(tmp_path / "_sets") if f.startswith(("dev-", "fit-"))]) == 2
+    again = recipe_probe.main(["run", "base", *common])  # trained already: measured again, the same
+    assert again["dev"] == base["dev"] and again["fit"] == base["fit"]
+    capsys.readouterr()
+    out = tmp_path / "table.json"
+    rows = recipe_probe.main(["table", str(tmp_path / "base" / "probe.json"), str(tmp_path / "lr" / "probe.json"),
+                              "--out", str(out)])
+    text = capsys.readouterr().out
+    assert text.splitlines()[0].startswith("| probe | steps | dev τ@3 | dev τ@4 | / base @3 | / base @4 |")
+    assert rows[0]["ratio@4"]["ratio"] == pytest.approx(1.0)
+    lr = rows[1]["ratio@4"]
+    assert lr["low"] <= lr["ratio"] <= lr["high"]
+    tau = np.mean(other["dev"]["blocks"]["4"]["tau_per_sequence"]) / np.mean(base["dev"]["blocks"]["4"]["tau_per_sequence"])
+    assert lr["ratio"] == pytest.approx(tau)
+    assert json.loads(out.read_text())["baseline"] == "base"
+    with pytest.raises(SystemExit, match="--baseline 'nope' is none of the probes"):
+        recipe_probe.main(["table", str(tmp_path / "base" / "probe.json"), "--baseline", "nope"])
