@@ -37,7 +37,8 @@ from retrace_jax.models.drafter import BlockSize
 from retrace_jax.models.retrace import Fusion, Hints, Mixture, Signals, Slots, ZeroStart
 from retrace_jax.parallel.sharding import parse_mesh_spec
 from retrace_jax.training.retrace_loss import CORRECTION_SOURCES
-from retrace_jax.training.step import OBJECTIVES
+from retrace_jax.training.dflash_loss import SLOT_WEIGHTS
+from retrace_jax.training.step import OBJECTIVES, SCHEDULES
 from retrace_jax.validation import (
     STRICT,
     Bool,
@@ -207,6 +208,11 @@ class TrainSection(Section):
     lr: PositiveFloat = doc("peak learning rate of AdamW", 3.0e-3)
     warmup_frac: NonNegativeFloat = doc("linear warm-up, as a fraction of the optimizer updates; then cosine decay",
                                         0.04, lt=1)
+    schedule: Literal[SCHEDULES] = doc("after the warm-up: cosine (decay to zero at the last update, the DFlash "
+                                       "recipe) or constant (the peak until the last decay_frac of the updates, "
+                                       "then a linear decay to zero)", "cosine")
+    decay_frac: PositiveFloat = doc("schedule constant: the share of the optimizer updates the final linear decay "
+                                    "takes", 0.2, le=1)
     weight_decay: NonNegativeFloat = doc("AdamW weight decay", 0.0)
     retrace_lr_multiplier: PositiveFloat = doc("retrace objective: the ReTrace module's learning rate as a multiple "
                                                "of lr (it starts at zero inside a trained drafter)", 1.0)
@@ -219,6 +225,11 @@ class TrainSection(Section):
                               "memory-mapped store beside the prepared data that later runs reuse (resumable; "
                               "retrace_jax/training/feature_store.py)", False)
     gamma: PositiveFloat | None = doc("loss decay over block slots; null: the published value for the block size")
+    slot_weights: Literal[SLOT_WEIGHTS] = doc(
+        "DFlash: how the drafted slots of a block weigh in the loss: gamma (exp(-(k-1)/gamma), the published "
+        "rule), uniform, reach (the drafter's probability of getting slots 1..k-1 all right: the first error gets "
+        "the weight) or expected_length (the gradient of the log expected accepted length, D-PACE's direction); "
+        "the last two from the drafter's own label probabilities, without gradient", "gamma")
     rounds: Int = doc("ReTrace: rounds of the on-policy rollout per anchor (>= 2): round 1 drafts without memory, "
                       "each later round re-anchors where the previous one's acceptance leaves it, with that round's "
                       "rejected suffix as its memory, as at inference", 4, ge=2)
@@ -300,6 +311,8 @@ class TrainConfig(Section):
         if self.target_precision != "float32" and self.target_dtype != "float32":
             out.append(f"target_precision: {self.target_precision} products are for a float32 target; a "
                        f"{self.target_dtype} target computes in {self.target_dtype} (target_dtype)")
+        if t.slot_weights != "gamma" and t.objective != "dflash":
+            out.append(f"train.slot_weights: {t.slot_weights} serves the dflash objective only")
         if t.feature_cache and t.objective == "retrace":
             out.append("train.feature_cache: serves the dflash objective only (ReTrace runs the target on drafts)")
         if not dr.init and t.seq_len < dr.block_size + 1:

@@ -2,7 +2,8 @@
 
 Block ``i`` is ``[x[anchor_i], MASK, ...]`` at positions ``anchor_i + 0..W-1``. It sees the target
 features of positions strictly before its anchor and its own block (bidirectionally), never another
-block. Slot ``k`` is labelled ``x[anchor_i + k]``; loss weights ``exp(-(k-1)/gamma)`` times the loss mask.
+block. Slot ``k`` is labelled ``x[anchor_i + k]``; loss weights ``exp(-(k-1)/gamma)`` times the loss mask
+(the published rule), or one of the other :data:`SLOT_WEIGHTS` rules (:func:`adaptive_weights`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ from retrace_jax.models.drafter import DFlashDrafter
 from retrace_jax.models.target import TargetModel
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+# How the drafted slots of a block weigh in the loss: "gamma" exp(-(k-1)/gamma) (the DFlash paper's);
+# "uniform" 1; "reach" the probability that slots 1..k-1 are all right (a first-error focus: the slot where
+# the chain breaks now gets the weight); "expected_length" the gradient of log E[accepted length] (the
+# direction D-PACE, arXiv 2605.18810, follows): slot k weighs the share of the expected length that slots
+# k.. bring. The last two come from the drafter's own label probabilities, without gradient.
+SLOT_WEIGHTS = ("gamma", "uniform", "reach", "expected_length")
 
 
 def default_gamma(block_size: int) -> float:
@@ -139,14 +146,37 @@ class LossMetrics(NamedTuple):
     tau: jax.Array  # mean over blocks of 1 + leading correct slots: the acceptance length they imply
 
 
-def slot_loss(logits_bajv, labels_baj, weights_baj) -> LossMetrics:
+def adaptive_weights(ce_baj, counted_baj, rule: str):
+    """Slot weights ``[B, A, J]`` of the ``reach`` and ``expected_length`` rules (:data:`SLOT_WEIGHTS`)
+    from the cross-entropies of the labels (``p_k = exp(-ce_k)``, 0 where not ``counted``), without
+    gradient. With ``P_k = p_1 ... p_k`` and ``S_k = P_k + ... + P_J``: reach ``w_k = P_{k-1}``
+    (``w_1 = 1``); expected length ``w_k = S_k / S_1``, so that ``sum_k w_k ce_k`` has the gradient of
+    ``-log E[accepted length]`` (``E = S_1``; ``w_1 = 1``)."""
+    p = jnp.where(counted_baj, jnp.exp(-jax.lax.stop_gradient(ce_baj)), 0.0)
+    prefix = jnp.cumprod(p, axis=-1)  # P_k
+    if rule == "reach":
+        return jnp.concatenate([jnp.ones_like(p[..., :1]), prefix[..., :-1]], axis=-1) * counted_baj
+    if rule == "expected_length":
+        tail = jnp.flip(jnp.cumsum(jnp.flip(prefix, -1), -1), -1)  # S_k
+        first = jnp.concatenate([jnp.ones_like(p[..., :1]), jnp.zeros_like(p[..., 1:])], axis=-1)
+        # E underflows to 0 when p_1 does: then slot 1 alone (the limit of S_k / S_1 as p_1 -> 0 with the
+        # rest fixed is 1 at k = 1 and p_1-small elsewhere)
+        w = jnp.where(tail[..., :1] > 1e-30, tail / jnp.maximum(tail[..., :1], 1e-30), first)
+        return w * counted_baj
+    raise ValueError(f"adaptive slot weights are 'reach' or 'expected_length', got {rule!r}")
+
+
+def slot_loss(logits_bajv, labels_baj, weights_baj, slot_weights: str = "gamma") -> LossMetrics:
     """Loss and metrics of the drafted slots ``1..W-1`` of each block (``J = W - 1``; the given slot 0
     has no loss). A label ``-1`` is a token outside the draft vocabulary: its slot counts as wrong and
-    adds no loss (no logit can score it)."""
+    adds no loss (no logit can score it). ``slot_weights`` "reach" or "expected_length" replace the given
+    weights where they are positive by :func:`adaptive_weights`."""
     learnable = labels_baj >= 0
     ce = optax.softmax_cross_entropy_with_integer_labels(logits_bajv.astype(jnp.float32),
                                                          jnp.maximum(labels_baj, 0))
     w = weights_baj
+    if slot_weights in ("reach", "expected_length"):
+        w = adaptive_weights(ce, (weights_baj > 0) & learnable, slot_weights)
     loss = jnp.sum(ce * w * learnable) / jnp.maximum(jnp.sum(w * learnable), 1e-6)
     counted = w > 0
     correct = (jnp.argmax(logits_bajv, -1) == labels_baj) & counted
@@ -163,7 +193,8 @@ def block_loss(logits_bawv, blocks: BlockBatch) -> LossMetrics:
     return slot_loss(logits_bawv[:, :, 1:], blocks.labels_baw[:, :, 1:], blocks.weights_baw[:, :, 1:])
 
 
-def score_blocks(target: TargetModel, head: DraftHead | None, hidden_bawd, blocks: BlockBatch, mix=None):
+def score_blocks(target: TargetModel, head: DraftHead | None, hidden_bawd, blocks: BlockBatch, mix=None,
+                 slot_weights: str = "gamma"):
     """The loss metrics of drafted blocks and their proposals ``[B, A, J]`` (the argmax of each slot, as
     target token ids). The LM head runs on the drafted slots only, over the draft vocabulary of ``head``
     (:func:`~retrace_jax.models.draft_vocab.draft_head`; None: the whole vocabulary). ``mix(logits,
@@ -172,19 +203,24 @@ def score_blocks(target: TargetModel, head: DraftHead | None, hidden_bawd, block
     if mix is not None:
         logits = batch_sharded(mix(logits, hidden_bawd[:, :, 1:]))
     labels = to_draft_index(head, blocks.labels_baw[:, :, 1:], target.cfg.vocab_size)
-    metrics = slot_loss(logits, labels, blocks.weights_baw[:, :, 1:])
+    metrics = slot_loss(logits, labels, blocks.weights_baw[:, :, 1:], slot_weights)
     return metrics, to_target_ids(head, jnp.argmax(logits, -1).astype(jnp.int32))
 
 
 def dflash_loss(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss_mask_bs, anchors_ba, valid_ba,
-                gamma: float | None = None, remat: bool = False, features_bsf=None) -> LossMetrics:
-    """The DFlash loss; the target features are computed here unless precomputed ones are given."""
+                gamma: float | None = None, remat: bool = False, features_bsf=None,
+                slot_weights: str = "gamma") -> LossMetrics:
+    """The DFlash loss; the target features are computed here unless precomputed ones are given.
+    ``slot_weights``: one of :data:`SLOT_WEIGHTS` (``gamma`` applies only to "gamma")."""
     cfg = drafter.cfg
+    if slot_weights not in SLOT_WEIGHTS:
+        raise ValueError(f"slot_weights must be one of {SLOT_WEIGHTS}, got {slot_weights!r}")
     gamma = default_gamma(cfg.block_size) if gamma is None else gamma
+    gamma = gamma if slot_weights == "gamma" else float("inf")  # the others start from weight 1 everywhere
     blocks = build_blocks(tokens_bs, loss_mask_bs, anchors_ba, valid_ba, cfg.block_size, cfg.mask_token_id, gamma)
     if features_bsf is None:
         features = target_features(target, tokens_bs, cfg.target_layer_ids)
     else:
         features = jax.lax.stop_gradient(features_bsf)
     hidden = draft_blocks(drafter, target, sequence_context(drafter, features), blocks, remat=remat)
-    return score_blocks(target, draft_head(target, drafter), hidden, blocks)[0]
+    return score_blocks(target, draft_head(target, drafter), hidden, blocks, slot_weights=slot_weights)[0]

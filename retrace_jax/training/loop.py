@@ -116,13 +116,13 @@ def step_options(cfg: TrainConfig) -> StepOptions:
                        compute_dtype=t.compute_dtype, remat=t.remat, grad_accum=t.grad_accum,
                        memory_dtype=t.memory_dtype, rounds=t.rounds,
                        round_weights=None if t.round_weights is None else tuple(t.round_weights),
-                       memory_dropout=t.memory_dropout, miss_weight=t.miss_weight)
+                       memory_dropout=t.memory_dropout, miss_weight=t.miss_weight, slot_weights=t.slot_weights)
 
 
 def optimizer_for(cfg: TrainConfig):
     t = cfg.train
     return adamw(t.lr, t.steps, t.warmup_frac, t.weight_decay, t.clip, t.grad_accum,
-                 t.retrace_lr_multiplier if t.objective == "retrace" else 1.0)
+                 t.retrace_lr_multiplier if t.objective == "retrace" else 1.0, t.schedule, t.decay_frac)
 
 
 def run_settings(cfg: TrainConfig, drafter, num_sequences: int) -> dict:
@@ -142,6 +142,8 @@ def run_settings(cfg: TrainConfig, drafter, num_sequences: int) -> dict:
         "memory_dropout": t.memory_dropout if retrace else None, "miss_weight": t.miss_weight if retrace else None,
         "correction_source": t.correction_source, "beta_warmup_steps": t.beta_warmup_steps,
         "compute_dtype": t.compute_dtype, "memory_dtype": t.memory_dtype, "block_size": drafter_cfg.block_size,
+        "slot_weights": t.slot_weights, "schedule": t.schedule,
+        "decay_frac": t.decay_frac if t.schedule == "constant" else None,
         "num_layers": drafter_cfg.num_layers, "intermediate_size": drafter_cfg.intermediate_size,
         "attention_bias": drafter_cfg.attention_bias,
         "target_layer_ids": list(drafter_cfg.target_layer_ids),

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from retrace_jax.parallel.sharding import batch_sharding
-from retrace_jax.training.dflash_loss import TRAIN_MESH, dflash_loss, sample_anchors
+from retrace_jax.training.dflash_loss import SLOT_WEIGHTS, TRAIN_MESH, dflash_loss, sample_anchors
 from retrace_jax.training.retrace_loss import (
     CORRECTION_SOURCES,
     DEFAULT_ROUNDS,
@@ -27,6 +27,7 @@ from retrace_jax.training.retrace_loss import (
 )
 
 OBJECTIVES = ("dflash", "retrace")
+SCHEDULES = ("cosine", "constant")  # after the warm-up: cosine decay to 0, or constant then a linear decay
 _norm = optax.tree.norm if hasattr(getattr(optax, "tree", None), "norm") else optax.global_norm
 
 
@@ -46,12 +47,17 @@ class StepOptions:
     round_weights: tuple[float, ...] | None = None  # ReTrace: loss weight per round; None: from round1_weight
     memory_dropout: float = 0.0  # ReTrace: probability that a block's memory is dropped in a later round
     miss_weight: float = 0.0  # ReTrace: extra loss weight of slots the memory-off draft gets wrong
+    slot_weights: str = "gamma"  # DFlash: how the drafted slots weigh (dflash_loss.SLOT_WEIGHTS)
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
+        if self.slot_weights not in SLOT_WEIGHTS:
+            raise ValueError(f"slot_weights must be one of {SLOT_WEIGHTS}, got {self.slot_weights!r}")
+        if self.slot_weights != "gamma" and self.objective != "dflash":
+            raise ValueError(f"slot_weights {self.slot_weights!r} serves the dflash objective only")
         if self.correction_source not in CORRECTION_SOURCES:
             raise ValueError(f"correction_source must be one of {CORRECTION_SOURCES}, got {self.correction_source!r}")
         if self.gamma is not None and not (isinstance(self.gamma, (int, float)) and 0 < self.gamma < float("inf")):
@@ -70,9 +76,27 @@ class StepOptions:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def lr_schedule(lr: float, updates: int, warmup_frac: float, schedule: str = "cosine", decay_frac: float = 0.2):
+    """The learning rate of each optimizer update: a linear warm-up over ``warmup_frac`` of the updates,
+    then a cosine decay to zero at the last (the DFlash recipe), or (``"constant"``) the peak held until
+    the last ``decay_frac`` of the updates and a linear decay to zero over them."""
+    warmup = max(1, int(warmup_frac * updates))
+    if schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, updates)
+    if schedule != "constant":
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if not 0 < decay_frac <= 1:
+        raise ValueError(f"decay_frac must be in (0, 1], got {decay_frac!r}")
+    decay = max(1, int(round(decay_frac * updates)))
+    hold = max(0, updates - warmup - decay)
+    return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr),
+                                 optax.linear_schedule(lr, 0.0, decay)], [warmup, warmup + hold])
+
+
 def adamw(lr: float, steps: int, warmup_frac: float = 0.04, weight_decay: float = 0.0, clip: float = 1.0,
-          grad_accum: int = 1, retrace_lr_multiplier: float = 1.0):
-    """AdamW with linear warm-up, cosine decay and global-norm clipping (the DFlash recipe); with
+          grad_accum: int = 1, retrace_lr_multiplier: float = 1.0, schedule: str = "cosine", decay_frac: float = 0.2):
+    """AdamW with linear warm-up, cosine decay (or ``schedule="constant"``: :func:`lr_schedule`) and
+    global-norm clipping (the DFlash recipe); with
     ``grad_accum > 1`` gradients of that many consecutive steps are averaged into one update. The
     ReTrace module's updates (parameters under ``retrace``) are scaled by ``retrace_lr_multiplier``: its
     learning rate is that multiple of the rest's (its weight decay with it, as AdamW scales decay by the
@@ -82,8 +106,8 @@ def adamw(lr: float, steps: int, warmup_frac: float = 0.04, weight_decay: float 
     if not (isinstance(clip, (int, float)) and 0 < clip < float("inf")):
         raise ValueError(f"clip must be a positive number (the global gradient-norm limit), got {clip!r}")
     updates = max(2, steps // max(1, grad_accum))
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, int(warmup_frac * updates)), updates)
-    opt = optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay))
+    rates = lr_schedule(lr, updates, warmup_frac, schedule, decay_frac)
+    opt = optax.chain(optax.clip_by_global_norm(clip), optax.adamw(rates, weight_decay=weight_decay))
     if not (isinstance(retrace_lr_multiplier, (int, float)) and 0 < retrace_lr_multiplier < float("inf")):
         raise ValueError(f"retrace_lr_multiplier must be a positive number, got {retrace_lr_multiplier!r}")
     if retrace_lr_multiplier != 1.0:  # (1.0 keeps the optimizer state of runs before the option existed)
@@ -112,7 +136,7 @@ def loss_fn(drafter_state, drafter_def, target, tokens_bs, loss_mask_bs, step, s
     anchors, valid = sample_anchors(key, loss_mask_bs, opts.num_anchors, drafter.cfg.block_size)
     if opts.objective == "dflash":
         m = dflash_loss(drafter, target, tokens_bs, loss_mask_bs, anchors, valid, opts.gamma, remat=opts.remat,
-                        features_bsf=features_bsf)
+                        features_bsf=features_bsf, slot_weights=opts.slot_weights)
         return m.loss, {"loss": m.loss, "tau": m.tau, "slot_accuracy": m.slot_accuracy}
     updates = step // opts.grad_accum  # beta ramps over optimizer updates, not micro-steps
     beta = jnp.clip(updates / max(1, opts.beta_warmup_steps), 0.0, 1.0)
