@@ -5,6 +5,8 @@ well it fits, lever by lever.
     python benchmarks/recipe_probe.py run base --config configs/qwen25coder05_probe.yaml
     python benchmarks/recipe_probe.py run b8 --config configs/qwen25coder05_probe.yaml --set drafter.block_size=8
     python benchmarks/recipe_probe.py table runs/probes/base/probe.json runs/probes/b8/probe.json --baseline base
+    # probes while the data is still being prepared: all on one fixed snapshot of its first shards
+    python benchmarks/recipe_probe.py snapshot runs/qwen25coder05_code_data_bf16 runs/probe_data_16 --shards 16
 
 ``run NAME`` trains into ``ROOT/NAME`` (``train.py --stage train``: the prepared data of the configuration,
 resumed exactly when rerun), then measures its drafter on two sets of sequences, each a prompt and the
@@ -248,6 +250,40 @@ def print_table(results: list[dict], baseline: str) -> list[dict]:
     return rows
 
 
+def snapshot(source: str, shards: int, dest: str) -> dict:
+    """A fixed copy of the first ``shards`` finished shards of prepared data (hard links where the file
+    system allows, copies otherwise) with a manifest that lists just them, so that probes started while
+    the preparation goes on all train on the same sequences. Refuses fewer finished shards than asked and
+    a destination that holds other data."""
+    import shutil
+
+    with open(os.path.join(source, "manifest.json")) as f:
+        manifest = json.load(f)
+    wanted = list(range(shards))
+    missing = [i for i in wanted if i not in manifest["done"]]
+    if missing:
+        raise SystemExit(f"{source}: shards {missing[:5]} of the first {shards} are not finished yet "
+                         f"({len(manifest['done'])} are)")
+    target_manifest = {**manifest, "done": wanted}
+    path = os.path.join(dest, "manifest.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            if json.load(f) != target_manifest:
+                raise SystemExit(f"{dest} holds another snapshot; choose a new directory")
+        return target_manifest
+    os.makedirs(dest, exist_ok=True)
+    names = [f"shard_{i:05d}.npz" for i in wanted] + ["eval_prompts.json"]
+    for name in names:
+        src, dst = os.path.join(source, name), os.path.join(dest, name)
+        if not os.path.exists(dst):
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copyfile(src, dst)
+    write_json(target_manifest, path)
+    return target_manifest
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -266,7 +302,15 @@ def main(argv=None):
     t.add_argument("results", nargs="+", help="probe.json files")
     t.add_argument("--baseline", default="base")
     t.add_argument("--out", help="write the rows (with intervals) as JSON")
+    n = sub.add_parser("snapshot", help="a fixed copy of the first shards of prepared data")
+    n.add_argument("source", help="a prepared data directory (train.py --stage prepare)")
+    n.add_argument("dest")
+    n.add_argument("--shards", type=int, required=True)
     args = p.parse_args(argv)
+    if args.command == "snapshot":
+        if args.shards < 1:
+            p.error("--shards must be positive")
+        return snapshot(args.source, args.shards, args.dest)
     if args.command == "run":
         if args.fit < 1 or args.anchors < 1:
             p.error("--fit and --anchors must be positive")

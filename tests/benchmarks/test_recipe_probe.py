@@ -51,3 +51,25 @@ def test_probes_train_measure_and_compare(prepared, tmp_path, capsys):
     assert json.loads(out.read_text())["baseline"] == "base"
     with pytest.raises(SystemExit, match="--baseline 'nope' is none of the probes"):
         recipe_probe.main(["table", str(tmp_path / "base" / "probe.json"), "--baseline", "nope"])
+
+
+def test_snapshot_fixes_the_first_finished_shards(prepared, tmp_path):
+    root, config = prepared
+    source = root / "data"
+    manifest = json.loads((source / "manifest.json").read_text())
+    assert len(manifest["done"]) >= 2
+    dest = tmp_path / "snap"
+    got = recipe_probe.main(["snapshot", str(source), str(dest), "--shards", "2"])
+    assert got["done"] == [0, 1] and got["settings"] == manifest["settings"]
+    assert sorted(os.listdir(dest)) == ["eval_prompts.json", "manifest.json", "shard_00000.npz", "shard_00001.npz"]
+    assert recipe_probe.main(["snapshot", str(source), str(dest), "--shards", "2"]) == got  # again: unchanged
+    with pytest.raises(SystemExit, match="holds another snapshot"):
+        recipe_probe.main(["snapshot", str(source), str(dest), "--shards", "1"])
+    with pytest.raises(SystemExit, match="are not finished yet"):
+        recipe_probe.main(["snapshot", str(source), str(tmp_path / "x"), "--shards", "99"])
+    from retrace_jax.training.config import load_config
+    from retrace_jax.training.data import SequenceData
+    from retrace_jax.training.prepare import check_prepared
+
+    check_prepared(load_config(config, [f"data.dir={dest}"]))  # the same settings and target
+    assert len(SequenceData(str(dest), 64)) == 2 * manifest["settings"]["shard_size"]
