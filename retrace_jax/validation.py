@@ -190,6 +190,22 @@ def generate_arguments(**values) -> GenerateArguments:
         raise argument_error(err, "generate") from None
 
 
+class LoadDrafterArguments(BaseModel):
+    """``rj.load_drafter``'s ``retrace`` when it is not a ``ReTraceConfig`` (that is taken as it is): True,
+    False or None, as strict as ``generate``'s ``use_retrace`` (``"no"`` and ``0`` are not False)."""
+
+    model_config = STRICT
+    retrace: Bool | None
+
+
+def load_drafter_arguments(**values) -> LoadDrafterArguments:
+    """:class:`LoadDrafterArguments` of ``values``; a ``TypeError`` or ``ValueError`` naming each bad one."""
+    try:
+        return LoadDrafterArguments(**values)
+    except ValidationError as err:
+        raise argument_error(err, "load_drafter") from None
+
+
 def token_ids(ids, vocab_size: int, what: str, at: str = "position {}", *, allow_set: bool = False) -> np.ndarray:
     """``ids`` (a list, tuple or 1-D integer array of token ids; with ``allow_set`` also a set) as an int64
     array, checked entry by entry so that an error names ``what`` and, through ``at`` (a format string of

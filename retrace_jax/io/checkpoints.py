@@ -33,6 +33,7 @@ from retrace_jax.models.drafter import DFlashDrafter, DrafterConfig, check_draft
 from retrace_jax.models.retrace import ReTraceConfig, ReTraceFusion
 from retrace_jax.models.target import TargetModel, abstract_target
 from retrace_jax.parallel.sharding import check_divisible
+from retrace_jax.validation import load_drafter_arguments
 
 
 def default_dtype() -> jnp.dtype:
@@ -81,9 +82,13 @@ def load_drafter(path: str, target: TargetModel, dtype=None, *, retrace: bool | 
     A checkpoint whose config has ``retrace_config`` loads as a ReTrace drafter. ``retrace=True`` turns
     a plain DFlash checkpoint into a ReTrace drafter whose new module starts at zero (``W_v = 0``, so it
     drafts exactly as before; a ``ReTraceConfig`` chooses its options); ``retrace=False`` loads only the
-    DFlash part of a ReTrace checkpoint. ``dtype`` defaults to the target's. Every file comes from one
-    save, even while another one replaces it (:func:`~retrace_jax.io.atomic.read_directory`).
+    DFlash part of a ReTrace checkpoint; ``retrace`` is as strict as ``generate``'s ``use_retrace``
+    (``"no"`` and ``0`` are refused, not taken as True or False). ``dtype`` defaults to the target's. Every
+    file comes from one save, even while another one replaces it
+    (:func:`~retrace_jax.io.atomic.read_directory`).
     """
+    if not isinstance(retrace, ReTraceConfig):
+        retrace = load_drafter_arguments(retrace=retrace).retrace
     dtype = resolve_dtype(target.dtype if dtype is None else dtype)
     return read_directory(path, lambda directory: _load_drafter(directory, target, dtype, retrace, seed, mesh))
 

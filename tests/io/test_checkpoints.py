@@ -270,3 +270,35 @@ def test_a_deeply_nested_config_or_index_is_a_clear_error(qwen3_copy):
         f.write(deep)
     with pytest.raises(rj.CheckpointError, match=f"{index} is nested too deeply"):
         rj.load_target(qwen3_copy)
+
+
+@pytest.fixture(scope="module")
+def tiny_drafter_dir(tmp_path_factory):
+    target = rj.tiny.tiny_target()
+    path = str(tmp_path_factory.mktemp("drafter"))
+    rj.save_drafter(rj.init_drafter(target.cfg, mask_token_id=511, num_layers=1, block_size=4), path)
+    return target, path
+
+
+@pytest.mark.parametrize("retrace, error", [
+    ("no", r"load_drafter: retrace: expected true or false, got 'no'"),
+    ("false", r"load_drafter: retrace: expected true or false, got 'false'"),
+    (0, r"load_drafter: retrace: expected true or false, got 0"),
+    (1, r"load_drafter: retrace: expected true or false, got 1"),
+    ("ReTraceConfig", r"load_drafter: retrace: expected true or false, got 'ReTraceConfig'"),
+])
+def test_load_drafter_takes_retrace_as_strictly_as_generate_takes_use_retrace(tiny_drafter_dir, retrace, error):
+    """retrace="no" loaded a ReTrace drafter (any truthy value did), while retrace=0 loaded DFlash."""
+    target, path = tiny_drafter_dir
+    with pytest.raises(TypeError, match=error):
+        rj.load_drafter(path, target, retrace=retrace)
+    with pytest.raises(TypeError, match=error.replace("load_drafter: retrace", "generate: use_retrace")):
+        rj.generate(target, [[1, 2]], 2, use_retrace=retrace)
+
+
+def test_load_drafter_takes_a_bool_none_or_a_retrace_config(tiny_drafter_dir):
+    target, path = tiny_drafter_dir
+    assert rj.load_drafter(path, target).cfg.retrace is None
+    assert rj.load_drafter(path, target, retrace=np.False_).cfg.retrace is None
+    assert rj.load_drafter(path, target, retrace=True).cfg.retrace == rj.ReTraceConfig()
+    assert rj.load_drafter(path, target, retrace=rj.ReTraceConfig(rank=4)).cfg.retrace == rj.ReTraceConfig(rank=4)
