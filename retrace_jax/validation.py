@@ -157,6 +157,8 @@ MAX_BLOCK_SIZE = 256
 # for any sane model, and past float32's range the temperature itself becomes inf.
 MIN_TEMPERATURE = 1e-6
 MAX_TEMPERATURE = 1e6
+# The compiled programs take top_k as an int32 (any value from the vocabulary size up keeps every token).
+MAX_TOP_K = 2**31 - 1
 
 
 def _temperature(value: float) -> float:
@@ -169,13 +171,13 @@ class GenerateArguments(BaseModel):
     """The scalar arguments of ``rj.generate``, checked before anything is traced: a string, a float or a
     bool where an integer is due would fail deep inside tracing or be truncated (``int(8.7)``), and
     ``bool("no")`` is True. ``top_k=None`` and ``top_p=None`` mean no filter, as 0 and 1.0 do. The
-    temperature is 0 or in ``[MIN_TEMPERATURE, MAX_TEMPERATURE]``; ``block_size`` at most
-    ``MAX_BLOCK_SIZE``."""
+    temperature is 0 or in ``[MIN_TEMPERATURE, MAX_TEMPERATURE]``; ``top_k`` at most ``MAX_TOP_K``;
+    ``block_size`` at most ``MAX_BLOCK_SIZE``."""
 
     model_config = STRICT
     max_new_tokens: PositiveInt
     temperature: Annotated[NonNegativeNumber, AfterValidator(_temperature)]
-    top_k: Annotated[NonNegativeInt, _none_as(0)]
+    top_k: Annotated[NonNegativeInt, Field(le=MAX_TOP_K), _none_as(0)]
     top_p: Annotated[Number, Field(gt=0, le=1), _none_as(1.0)]
     seed: Annotated[Int, Field(ge=0, lt=2**32)]
     block_size: Annotated[Int, Field(ge=2, le=MAX_BLOCK_SIZE)] | None

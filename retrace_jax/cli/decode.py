@@ -135,7 +135,7 @@ def describe(kind: str, where: str, model, block_size: int | None = None) -> str
 
 def check_args(args) -> None:
     """Refuses bad input before anything is loaded or compiled."""
-    from retrace_jax.validation import MAX_BLOCK_SIZE, MAX_TEMPERATURE, MIN_TEMPERATURE
+    from retrace_jax.validation import MAX_BLOCK_SIZE, MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE
 
     if args.runs < 1:
         raise ValueError(f"--runs must be at least 1, got {args.runs}")
@@ -146,8 +146,8 @@ def check_args(args) -> None:
     if not (args.temperature == 0 or MIN_TEMPERATURE <= args.temperature <= MAX_TEMPERATURE):
         raise ValueError(f"--temperature must be 0 (greedy) or between {MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}, "
                          f"got {args.temperature}")
-    if args.top_k < 0:
-        raise ValueError(f"--top-k must be at least 0 (0: off), got {args.top_k}")
+    if not 0 <= args.top_k <= MAX_TOP_K:
+        raise ValueError(f"--top-k must be between 0 (off) and {MAX_TOP_K}, got {args.top_k}")
     if not 0 < args.top_p <= 1:  # NaN too
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     if not 0 <= args.seed < 2**32:

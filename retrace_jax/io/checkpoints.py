@@ -87,6 +87,9 @@ def load_drafter(path: str, target: TargetModel, dtype=None, *, retrace: bool | 
     file comes from one save, even while another one replaces it
     (:func:`~retrace_jax.io.atomic.read_directory`).
     """
+    if not isinstance(target, TargetModel):
+        raise TypeError(f"load_drafter: target must be a TargetModel (rj.load_target, rj.tiny.tiny_target), got "
+                        f"{type(target).__name__}")
     if not isinstance(retrace, ReTraceConfig):
         retrace = load_drafter_arguments(retrace=retrace).retrace
     dtype = resolve_dtype(target.dtype if dtype is None else dtype)

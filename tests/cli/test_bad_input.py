@@ -347,6 +347,8 @@ def test_fetch_assets_prints_one_line(monkeypatch, capsys):
     (["--drafter", "somewhere"], "error: --drafter needs --target (the model it was trained for)"),
     (["--target", "tiny", "--runs", "0"], "error: --runs must be at least 1, got 0"),
     (["--target", "tiny", "--mesh", "model=2"], "error: unknown mesh axis 'model'"),
+    (["--target", "tiny", "--temperature", "1", "--top-k", "1099511627776"],  # an OverflowError's traceback
+     "error: --top-k must be between 0 (off) and 2147483647, got 1099511627776"),
 ])
 def test_decode_prints_one_line_and_exits_1(argv, pattern, capsys, monkeypatch):
     monkeypatch.setenv("RETRACE_JAX_CACHE_DIR", "")

@@ -132,3 +132,12 @@ def test_temperature_bounds_are_accepted():
         args = generate_arguments(max_new_tokens=4, temperature=temperature, top_k=0, top_p=1.0, seed=0,
                                   block_size=MAX_BLOCK_SIZE, use_retrace=True)
         assert args.temperature == temperature and np.isfinite(np.float32(1 / (temperature or 1)))
+
+
+# ------------------------------------------------------------------------------------ top_k
+
+@pytest.mark.parametrize("top_k", [2**31, 2**40, 10**30])
+def test_a_top_k_past_the_int32_it_is_compiled_as_is_refused_by_name(target, top_k):
+    """top_k=2**40 raised NumPy's OverflowError ("Python integer ... out of bounds for int32")."""
+    _refused(target, ValueError, rf"^generate: top_k: must be <= 2147483647, got {top_k}$", temperature=1.0,
+             top_k=top_k)

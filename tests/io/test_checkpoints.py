@@ -302,3 +302,11 @@ def test_load_drafter_takes_a_bool_none_or_a_retrace_config(tiny_drafter_dir):
     assert rj.load_drafter(path, target, retrace=np.False_).cfg.retrace is None
     assert rj.load_drafter(path, target, retrace=True).cfg.retrace == rj.ReTraceConfig()
     assert rj.load_drafter(path, target, retrace=rj.ReTraceConfig(rank=4)).cfg.retrace == rj.ReTraceConfig(rank=4)
+
+
+@pytest.mark.parametrize("target", [None, "tiny", {}])
+def test_load_drafter_without_a_target_model_names_the_argument(tiny_drafter_dir, target):
+    """rj.load_drafter(path, None) raised AttributeError: 'NoneType' object has no attribute 'dtype'."""
+    with pytest.raises(TypeError, match=rf"^load_drafter: target must be a TargetModel \(rj.load_target, "
+                                        rf"rj.tiny.tiny_target\), got {type(target).__name__}$"):
+        rj.load_drafter(tiny_drafter_dir[1], target)
