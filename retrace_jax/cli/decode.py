@@ -152,6 +152,10 @@ def check_args(args) -> None:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     if not 0 <= args.seed < 2**32:
         raise ValueError(f"--seed must be in [0, 2**32), got {args.seed}")
+    if args.target == "":  # not the default: an empty variable in a script (--target "$MODEL") is a mistake
+        raise ValueError(f"--target must not be empty (leave it out for the demo, {DEMO_MODEL})")
+    if args.drafter == "":
+        raise ValueError("--drafter must not be empty")
     if args.drafter and not args.target:
         raise ValueError("--drafter needs --target (the model it was trained for)")
     if args.target and args.target not in ("tiny", "lab", *DEMO_PAIRS) and not os.path.isdir(args.target):

@@ -347,6 +347,9 @@ def test_fetch_assets_prints_one_line(monkeypatch, capsys):
     (["--drafter", "somewhere"], "error: --drafter needs --target (the model it was trained for)"),
     (["--target", "tiny", "--runs", "0"], "error: --runs must be at least 1, got 0"),
     (["--target", "tiny", "--mesh", "model=2"], "error: unknown mesh axis 'model'"),
+    # an empty --target ran (and on a clean machine fetched) the default model; an empty --drafter ran without
+    (["--target", ""], "error: --target must not be empty (leave it out for the demo, qwen2.5-coder-0.5b-instruct)"),
+    (["--target", "tiny", "--drafter", ""], "error: --drafter must not be empty"),
     (["--target", "tiny", "--temperature", "1", "--top-k", "1099511627776"],  # an OverflowError's traceback
      "error: --top-k must be between 0 (off) and 2147483647, got 1099511627776"),
 ])
