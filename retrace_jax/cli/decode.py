@@ -24,6 +24,7 @@ prints ``interrupted`` and exits with status 130 (see ``retrace_jax/cli/__init__
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import statistics
 import time
@@ -69,7 +70,8 @@ def parse_args(argv=None):
                                     '"tiny" for the tiny random Qwen3 (token ids, no tokenizer), "lab" for the '
                                     'laboratory pair of lab/ (a code model and its drafter; raw text), or a '
                                     f'model with a shipped drafter ({", ".join(DEMO_PAIRS)}; fetched on first '
-                                    f'use, with its drafter and demo prompt); default: {DEMO_MODEL}')
+                                    f'use, with its drafter and demo prompt); a name may be cut short to the '
+                                    f'start of only one name (smollm2); default: {DEMO_MODEL}')
     p.add_argument("--drafter", help="DFlash or ReTrace drafter directory (official DFlash layout)")
     p.add_argument("--prompt", default=None, help="default: the shipped pair's demo prompt (the start of a "
                                                   "function for the code model, a question for SmolLM2), a "
@@ -133,8 +135,33 @@ def describe(kind: str, where: str, model, block_size: int | None = None) -> str
             f"{f', run at block {block_size}' if block_size not in (None, cfg.block_size) else ''}, {dtype})")
 
 
+def named_targets() -> tuple[str, ...]:
+    """The names ``--target`` takes besides a directory."""
+    return ("tiny", "lab", *DEMO_PAIRS)
+
+
+def resolve_target(target: str) -> str:
+    """``--target`` as given when it is a named target or a directory, else the one named target it is the
+    start of (``smollm2``: ``smollm2-135m-instruct``). A target that is neither is refused with the names
+    and, when one is close, the closest of them."""
+    names = named_targets()
+    if target in names or os.path.isdir(target):
+        return target
+    starts = [name for name in names if name.startswith(target)]
+    if len(starts) == 1:
+        return starts[0]
+    if starts:
+        raise ValueError(f"--target {target} is the start of several named targets: {', '.join(starts)}")
+    # a name's start counts too: "smolm2" is close to "smollm", not to all of "smollm2-135m-instruct"
+    score = {name: max(difflib.SequenceMatcher(None, target, text).ratio() for text in (name, name[:len(target)]))
+             for name in names}
+    closest = max(names, key=score.get)
+    hint = f"; did you mean {closest}?" if score[closest] >= 0.6 else ""
+    raise FileNotFoundError(f"target directory not found: {target} (nor a named target: {', '.join(names)}){hint}")
+
+
 def check_args(args) -> None:
-    """Refuses bad input before anything is loaded or compiled."""
+    """Refuses bad input before anything is loaded or compiled; a start of a named target becomes its name."""
     from retrace_jax.validation import MAX_BLOCK_SIZE, MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE
 
     if args.runs < 1:
@@ -158,8 +185,8 @@ def check_args(args) -> None:
         raise ValueError("--drafter must not be empty")
     if args.drafter and not args.target:
         raise ValueError("--drafter needs --target (the model it was trained for)")
-    if args.target and args.target not in ("tiny", "lab", *DEMO_PAIRS) and not os.path.isdir(args.target):
-        raise FileNotFoundError(f"target directory not found: {args.target}")
+    if args.target is not None:
+        args.target = resolve_target(args.target)
     if args.drafter and not os.path.isdir(args.drafter):
         raise FileNotFoundError(f"drafter directory not found: {args.drafter}")
 

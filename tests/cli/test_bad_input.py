@@ -385,3 +385,50 @@ def test_decode_prints_a_bad_drafter_config_as_one_line(tmp_path, capsys, monkey
     line = cli_error(capsys, decode.main, ["--target", "tiny", "--drafter", drafter_dir])
     # the file read: the version the saved link points at (a save is a link to a version directory)
     assert re.search(r"/d(\.versions/\d+)?/config\.json: retrace_config\.rank: expected an integer, got 2\.5$", line), line
+
+
+@pytest.mark.parametrize("target, line", [
+    ("smollm3", "error: target directory not found: smollm3 (nor a named target: tiny, lab, "
+                "qwen2.5-coder-0.5b-instruct, smollm2-135m-instruct); did you mean smollm2-135m-instruct?"),
+    ("qwen-coder", "error: target directory not found: qwen-coder (nor a named target: tiny, lab, "
+                   "qwen2.5-coder-0.5b-instruct, smollm2-135m-instruct); did you mean qwen2.5-coder-0.5b-instruct?"),
+    ("/nonexistent/model", "error: target directory not found: /nonexistent/model (nor a named target: tiny, lab, "
+                           "qwen2.5-coder-0.5b-instruct, smollm2-135m-instruct)"),
+])
+def test_decode_names_the_targets_it_knows_and_the_closest_one(target, line, capsys, monkeypatch):
+    """--target smollm2 said "target directory not found: smollm2" without naming a model it knows."""
+    monkeypatch.delenv("RETRACE_JAX_TRACEBACK", raising=False)
+    assert cli_error(capsys, decode.main, ["--target", target]) == line
+
+
+@pytest.mark.parametrize("target, name", [
+    ("smollm2", "smollm2-135m-instruct"),
+    ("qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct"),
+    ("qwen", "qwen2.5-coder-0.5b-instruct"),
+    ("tiny", "tiny"),
+])
+def test_decode_takes_an_unambiguous_start_of_a_named_target(target, name):
+    from retrace_jax.cli import decode as cli_decode
+
+    args = cli_decode.parse_args(["--target", target])
+    cli_decode.check_args(args)
+    assert args.target == name
+
+
+def test_decode_refuses_the_start_of_several_named_targets(capsys, monkeypatch):
+    from retrace_jax.cli import decode as cli_decode
+
+    monkeypatch.delenv("RETRACE_JAX_TRACEBACK", raising=False)
+    monkeypatch.setitem(cli_decode.DEMO_PAIRS, "smollm2-360m-instruct", cli_decode.DEMO_PAIRS["smollm2-135m-instruct"])
+    assert cli_error(capsys, decode.main, ["--target", "smollm2"]) == (
+        "error: --target smollm2 is the start of several named targets: smollm2-135m-instruct, smollm2-360m-instruct")
+
+
+def test_a_directory_named_like_a_start_of_a_named_target_is_a_directory(tmp_path, monkeypatch):
+    from retrace_jax.cli import decode as cli_decode
+
+    (tmp_path / "smollm2").mkdir()
+    monkeypatch.chdir(tmp_path)
+    args = cli_decode.parse_args(["--target", "smollm2"])
+    cli_decode.check_args(args)
+    assert args.target == "smollm2"
