@@ -209,10 +209,11 @@ def decode(args):
     demo = args.target or DEMO_MODEL
     if demo in DEMO_PAIRS:
         pair = DEMO_PAIRS[demo]
-        if not args.drafter:
+        if not args.drafter and args.prompt is None:  # the demo: its model, its drafter and its prompt
             print(f"Demo: {demo} as the target with the drafter shipped with retrace-jax "
                   f"(pass --target DIR [--drafter DIR] for other models, --target tiny for a smoke run).\n",
                   flush=True)
+        if not args.drafter:
             args.drafter = rj.assets.shipped_drafter(demo)
             if args.block_size is None:
                 args.block_size = pair.block_size

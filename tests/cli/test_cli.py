@@ -155,3 +155,28 @@ def test_decode_with_a_tiny_top_p_prints_the_greedy_tokens(monkeypatch, capsys):
         decode.main(["--target", "tiny", "--max-new-tokens", "8", "--runs", "1", *argv])
         printed.append(next(line for line in capsys.readouterr().out.splitlines() if line.startswith("token ids:")))
     assert printed[0] == printed[1] and printed[0] != "token ids: [0, 0, 0, 0, 0, 0, 0, 0]", printed
+
+
+@pytest.mark.parametrize("argv, demo", [([], True), (["--prompt", "w5 w6"], False),
+                                        (["--target", "smollm2", "--prompt", "w5 w6"], False)])
+def test_decode_announces_the_demo_only_when_it_runs_the_demo_prompt(argv, demo, hf_model_dir, tmp_path, monkeypatch,
+                                                                     capsys):
+    """The "Demo: qwen2.5-coder-0.5b-instruct ..." banner was printed above the user's own --prompt."""
+    from retrace_jax.cli import decode as cli_decode
+
+    target_dir = str(tmp_path / "target")
+    shutil.copytree(hf_model_dir("qwen3")[1], target_dir)
+    save_word_tokenizer(target_dir)
+    cfg = rj.load_target(target_dir).cfg
+    drafter_dir = str(tmp_path / "drafter")
+    rj.save_drafter(rj.init_drafter(cfg, mask_token_id=cfg.vocab_size - 1, num_layers=1, block_size=4), drafter_dir)
+    monkeypatch.setattr(rj.assets, "fetch", lambda model: target_dir)
+    monkeypatch.setattr(rj.assets, "shipped_drafter", lambda model: drafter_dir)
+    monkeypatch.setattr(cli_decode, "timed_generate",
+                        lambda target, ids, label, runs, **kwargs: (rj.GenerateOutput([[5, 6]], [[2]]), 1.0, 0.5, 0.1))
+    monkeypatch.setenv("RETRACE_JAX_CACHE_DIR", "")
+    capsys.readouterr()
+    decode.main([*argv, "--runs", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("Demo: ") is demo, lines
+    assert any(line.startswith("drafter:") and drafter_dir in line for line in lines)  # the shipped drafter all the same
