@@ -13,6 +13,8 @@ Exit statuses, the same for every command:
   ``rj.DataError``; ``OSError`` such as ``FileNotFoundError``; for ``train.py`` also a diverged run and a
   missing key). One ``error: MESSAGE`` line on stderr; anything else is a bug and keeps its traceback.
   ``RETRACE_JAX_TRACEBACK=1`` (or a command's ``--traceback``) shows the traceback of a user error too.
+  The variable is on for ``1``, ``true`` or ``yes``, off for ``0``, ``false``, ``no`` or empty (any case);
+  another value is an error (status 1) naming it.
 * 2: a command line that argparse refuses (an unknown flag, a flag without its value, a value that is
   not a number or not one of the flag's choices, a required flag missing): the usage and one
   ``PROG: error: ...`` line, as every argparse program does.
@@ -46,6 +48,19 @@ EXIT_ERROR = 1
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 EXIT_CLOSED_PIPE = 128 + 13  # SIGPIPE (signal.SIGPIPE does not exist on Windows)
 _process = {"owned": False, "interrupted": False}  # set by script and by run_main on Ctrl-C
+TRACEBACK_VARIABLE = "RETRACE_JAX_TRACEBACK"
+FLAG_VALUES = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False, "": False}
+
+
+def env_flag(name: str) -> bool:
+    """The environment variable ``name`` as a switch: on for ``1``, ``true`` or ``yes``, off for ``0``,
+    ``false``, ``no``, empty or unset (any case, spaces around ignored); a ``ValueError`` naming the
+    variable for anything else (``bool("0")`` is True)."""
+    value = os.environ.get(name, "")
+    flag = FLAG_VALUES.get(value.strip().lower())
+    if flag is None:
+        raise ValueError(f"{name}={value!r}: expected 1, true or yes (on) or 0, false, no or empty (off)")
+    return flag
 
 
 def script(main: Callable) -> None:
@@ -94,7 +109,12 @@ def run_main(main: Callable, argv: list[str] | None = None, traceback: bool = Fa
     user error (one line, status 1), an interrupt (130) or a standard output that is closed (141) or
     fails (1). Standard output is flushed before it returns, so that a write that fails is reported here
     and not by the interpreter's exit ("Exception ignored ..." and status 120)."""
-    show_traceback = traceback or bool(os.environ.get("RETRACE_JAX_TRACEBACK"))
+    try:
+        env_traceback = env_flag(TRACEBACK_VARIABLE)
+    except ValueError as err:
+        _say(f"error: {err}")
+        raise SystemExit(EXIT_ERROR) from None
+    show_traceback = traceback or env_traceback
     stdout = _Watched(sys.stdout)
     if stdout.stream is not None:  # None under pythonw: print then writes nothing
         sys.stdout = stdout
@@ -107,7 +127,7 @@ def run_main(main: Callable, argv: list[str] | None = None, traceback: bool = Fa
         stdout.flush()
         return result
     except KeyboardInterrupt:
-        if os.environ.get("RETRACE_JAX_TRACEBACK"):  # where it landed: Python's own report, and exit
+        if env_traceback:  # where it landed: Python's own report, and exit
             raise
         _process["interrupted"] = True
         if _process["owned"] and threading.current_thread() is threading.main_thread():

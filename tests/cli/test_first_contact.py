@@ -180,6 +180,43 @@ def test_retrace_jax_traceback_shows_where_an_interrupt_landed(monkeypatch):
         run_main(interrupted)
 
 
+def _user_error(argv):
+    raise ValueError("bad value")
+
+
+@pytest.mark.parametrize("value, shown", [("1", True), ("true", True), ("YES", True), (" yes ", True),
+                                          ("0", False), ("false", False), ("No", False), ("", False)])
+def test_retrace_jax_traceback_is_on_for_1_true_yes_and_off_for_0_false_no(value, shown, monkeypatch, capsys):
+    """RETRACE_JAX_TRACEBACK=0 and =false turned tracebacks on (any non-empty value did)."""
+    monkeypatch.setenv("RETRACE_JAX_TRACEBACK", value)
+    if shown:
+        with pytest.raises(ValueError, match="bad value"):
+            run_main(_user_error)
+    else:
+        assert cli_error(capsys, lambda argv: run_main(_user_error, argv), []) == "error: bad value"
+
+
+@pytest.mark.parametrize("value", ["2", "on?", "tru", "-1"])
+def test_retrace_jax_traceback_with_another_value_is_an_error_naming_it(value, monkeypatch, capsys):
+    monkeypatch.setenv("RETRACE_JAX_TRACEBACK", value)
+    line = cli_error(capsys, lambda argv: run_main(_user_error, argv), [])
+    assert line == (f"error: RETRACE_JAX_TRACEBACK={value!r}: expected 1, true or yes (on) or 0, false, no or "
+                    f"empty (off)")
+
+
+def test_retrace_jax_traceback_0_reports_an_interrupt_as_one_line(monkeypatch, capsys):
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setenv("RETRACE_JAX_TRACEBACK", "0")
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            run_main(interrupted)
+    except KeyboardInterrupt:  # caught here: it would end the whole pytest session
+        pytest.fail("RETRACE_JAX_TRACEBACK=0 let the KeyboardInterrupt through")
+    assert exit_.value.code == cli.EXIT_INTERRUPTED and capsys.readouterr().err == "interrupted\n"
+
+
 GC_INTERRUPT = """
 import gc, os, signal, sys, time
 from retrace_jax.cli import run_main, script
