@@ -38,6 +38,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from typing import Callable
 
 # FloatingPointError: a model whose logits are not finite (generate refuses to turn NaNs into tokens).
@@ -157,6 +158,22 @@ def run_main(main: Callable, argv: list[str] | None = None, traceback: bool = Fa
     finally:
         if sys.stdout is stdout:
             sys.stdout = stdout.stream
+
+
+def compilation_cache() -> str:
+    """:func:`~retrace_jax.decoding.programs.enable_compilation_cache` for a command line: a cache directory
+    that cannot be used is one ``warning: ...`` line on stderr, and the command runs without the cache."""
+    from retrace_jax.decoding.programs import CacheWarning, enable_compilation_cache
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CacheWarning)
+        directory = enable_compilation_cache()
+    for warning in caught:
+        if issubclass(warning.category, CacheWarning):
+            _say(f"warning: {warning.message}")
+        else:  # not this function's: as Python would have shown it
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return directory
 
 
 def one_line(err: BaseException) -> str:

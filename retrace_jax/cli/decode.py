@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 # Only the standard library at the top: --help and a bad flag answer before JAX is imported (run imports
 # it once the arguments are checked).
-from retrace_jax.cli import run_main
+from retrace_jax.cli import compilation_cache, run_main
 
 DEMO_MODEL = "qwen2.5-coder-0.5b-instruct"
 
@@ -205,7 +205,7 @@ def decode(args):
     from retrace_jax.training.data import byte_encoder, chat_encoder, load_tokenizer
 
     mesh = rj.make_mesh(args.mesh) if args.mesh else None
-    cache_dir = rj.enable_compilation_cache()
+    cache_dir = compilation_cache()
     demo = args.target or DEMO_MODEL
     if demo in DEMO_PAIRS:
         pair = DEMO_PAIRS[demo]

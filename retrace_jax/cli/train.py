@@ -32,7 +32,7 @@ import os
 import signal
 import sys
 
-from retrace_jax.cli import TRAIN_ERRORS, run_main
+from retrace_jax.cli import TRAIN_ERRORS, compilation_cache, run_main
 
 
 def parse_args(argv=None):
@@ -73,7 +73,6 @@ def run(args):
 
         print(describe())
         return None
-    from retrace_jax.decoding.programs import enable_compilation_cache
     from retrace_jax.parallel.distributed import initialize
     from retrace_jax.training.config import load_config
     from retrace_jax.training.evaluate import MetricsLog
@@ -85,7 +84,7 @@ def run(args):
     cfg = load_config(args.config, args.set)
     initialize(cfg.train.distributed)  # before anything touches a device
     preflight(cfg, args.stage)  # what cannot run on the target or the devices, before any work
-    enable_compilation_cache()  # a rerun (e.g. a resume) loads its programs instead of compiling them
+    compilation_cache()  # a rerun (e.g. a resume) loads its programs instead of compiling them
     if args.stage == "export":  # prints only: the run's own log files stay the run's
         return export_checkpoint(cfg, args.step, MetricsLog(None))
     with run_lock(cfg.out):  # one run at a time in OUT, refused before anything is written

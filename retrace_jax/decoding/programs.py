@@ -7,29 +7,60 @@ import contextlib
 import functools
 import logging
 import os
+import tempfile
+import warnings
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_DIR = os.path.join("~", ".cache", "retrace_jax", "xla")
+CACHE_VARIABLE = "RETRACE_JAX_CACHE_DIR"
+
+
+class CacheWarning(RuntimeWarning):
+    """The persistent compilation cache cannot be used; programs are compiled without it."""
 
 
 def enable_compilation_cache(directory: str | None = None) -> str:
     """Turns on JAX's persistent compilation cache in ``directory`` (default ``$RETRACE_JAX_CACHE_DIR``
     or ``~/.cache/retrace_jax/xla``) for every program, however fast it compiled. Returns the directory.
 
-    Call it before the first compilation. ``RETRACE_JAX_CACHE_DIR=""`` turns it off (returns "")."""
+    Call it before the first compilation. ``RETRACE_JAX_CACHE_DIR=""`` turns it off (returns ""). A
+    directory that cannot be created or written (a file, ``/dev/null``, a read-only place) leaves the
+    cache off too: a :class:`CacheWarning` names it (and the variable, when the path came from it)."""
     import jax
 
     if directory is None:
-        directory = os.environ.get("RETRACE_JAX_CACHE_DIR", DEFAULT_DIR)
+        directory = os.environ.get(CACHE_VARIABLE, DEFAULT_DIR)
+        source = f"{CACHE_VARIABLE}={directory}" if CACHE_VARIABLE in os.environ else \
+            f"{directory} (the default; {CACHE_VARIABLE} moves it)"
+    else:
+        source = directory
     if not directory:
         return ""
     directory = os.path.expanduser(directory)
-    os.makedirs(directory, exist_ok=True)
+    problem = _unusable(directory)
+    if problem:
+        warnings.warn(f"the persistent compilation cache is off: {source} {problem} ({CACHE_VARIABLE}=\"\" turns "
+                      f"the cache off without this warning); programs are compiled anew", CacheWarning, stacklevel=2)
+        return ""
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return directory
+
+
+def _unusable(directory: str) -> str:
+    """What keeps ``directory`` from holding the cache ("is not a directory", "cannot be written: ..."),
+    or "" when it can: it is created if need be and a file is written and removed there."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        return "is not a directory"
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as err:
+        return f"cannot be written: {err.strerror or err}"
+    return ""
 
 
 # JAX's own timings of the compile stages (jax.monitoring duration events): tracing and lowering are

@@ -432,3 +432,53 @@ def test_a_directory_named_like_a_start_of_a_named_target_is_a_directory(tmp_pat
     args = cli_decode.parse_args(["--target", "smollm2"])
     cli_decode.check_args(args)
     assert args.target == "smollm2"
+
+
+def _unusable_cache_dirs(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    return {"a file": (str(tmp_path / "a_file"), "is not a directory"),
+            "/dev/null": (os.devnull, "is not a directory"),
+            "under a file": (str(tmp_path / "a_file" / "xla"), "cannot be written: Not a directory")}
+
+
+@pytest.mark.parametrize("case", ["a file", "/dev/null", "under a file"])
+def test_an_unusable_cache_dir_is_a_warning_naming_the_variable_and_the_cache_stays_off(case, tmp_path, monkeypatch):
+    """RETRACE_JAX_CACHE_DIR=/dev/null ended the command with "[Errno 17] File exists: '/dev/null'"."""
+    import jax
+
+    from retrace_jax.decoding.programs import CacheWarning
+
+    path, problem = _unusable_cache_dirs(tmp_path)[case]
+    monkeypatch.setenv("RETRACE_JAX_CACHE_DIR", path)
+    before = jax.config.jax_compilation_cache_dir
+    with pytest.warns(CacheWarning) as caught:
+        assert rj.enable_compilation_cache() == ""
+    assert str(caught[0].message).startswith(f"the persistent compilation cache is off: RETRACE_JAX_CACHE_DIR={path} "
+                                             f"{problem}")
+    with pytest.warns(CacheWarning, match=rf"the persistent compilation cache is off: {re.escape(path)} {problem}"):
+        assert rj.enable_compilation_cache(path) == ""
+    assert jax.config.jax_compilation_cache_dir == before
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory")
+def test_a_read_only_cache_dir_is_a_warning(tmp_path, monkeypatch):
+    from retrace_jax.decoding.programs import CacheWarning
+
+    (tmp_path / "xla").mkdir(mode=0o555)
+    monkeypatch.setenv("RETRACE_JAX_CACHE_DIR", str(tmp_path / "xla"))
+    with pytest.warns(CacheWarning, match=r"RETRACE_JAX_CACHE_DIR=.*/xla cannot be written: Permission denied"):
+        assert rj.enable_compilation_cache() == ""
+
+
+def test_decode_with_an_unusable_cache_dir_warns_in_one_line_and_runs_without_it(monkeypatch, capsys):
+    from retrace_jax.cli import decode as cli_decode
+
+    monkeypatch.setattr(cli_decode, "timed_generate",
+                        lambda target, ids, label, runs, **kwargs: (rj.GenerateOutput([[5, 6]], [[2]]), 1.0, 0.5, 0.1))
+    monkeypatch.setenv("RETRACE_JAX_CACHE_DIR", os.devnull)
+    capsys.readouterr()
+    decode.main(["--target", "tiny", "--runs", "1"])
+    out, err = capsys.readouterr()
+    assert err.startswith(f"warning: the persistent compilation cache is off: RETRACE_JAX_CACHE_DIR={os.devnull} is not "
+                          f"a directory") and err.count("\n") == 1, err
+    assert "compilation cache: off" in out.splitlines()
