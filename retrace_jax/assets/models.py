@@ -88,6 +88,9 @@ def _field(reader, key, default=None):
 def _tokenizer_converter():
     """transformers' GGUF tokenizer converter and its table of metadata keys, from the module that holds
     them in this release (they moved between releases; neither module imports PyTorch)."""
+    from retrace_jax.training.data import quiet_transformers
+
+    quiet_transformers()
     try:
         from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
     except ImportError:
@@ -103,9 +106,9 @@ def gguf_tokenizer(reader):
     """The Hugging Face fast tokenizer that a GGUF file's metadata describes (``reader``: a
     ``gguf.GGUFReader``): its vocabulary, merges, special tokens and chat template, converted by
     transformers' GGUF tokenizer converter. Needs neither PyTorch nor transformers' GGUF loader."""
+    mapping, convert_tokenizer = _tokenizer_converter()  # first: it imports transformers quietly
     from transformers import PreTrainedTokenizerFast
 
-    mapping, convert_tokenizer = _tokenizer_converter()
     metadata = {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
     groups = {group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items()
                       if f"tokenizer.{key}" in metadata} for group, renames in mapping.items()}

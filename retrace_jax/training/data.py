@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import gzip
 import json
+import logging
 import os
 import time
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -137,10 +138,30 @@ def read_prompts(path: str, limit: int | None = None) -> list[list[dict]]:
     return prompts
 
 
+class _NoPyTorchNotice(logging.Filter):
+    """Drops transformers' notice at import on an install without PyTorch ("PyTorch was not found. Models
+    won't be available ..."); its other messages pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("PyTorch was not found.")
+
+
+_NO_PYTORCH_NOTICE = _NoPyTorchNotice()
+
+
+def quiet_transformers() -> None:
+    """Call before importing transformers: retrace_jax uses only its tokenizers (and their GGUF converter),
+    which need no PyTorch, so its notice that PyTorch is missing says nothing to a user of retrace_jax."""
+    logger = logging.getLogger("transformers")  # the logger transformers' own get_logger returns
+    if _NO_PYTORCH_NOTICE not in logger.filters:
+        logger.addFilter(_NO_PYTORCH_NOTICE)
+
+
 def load_tokenizer(directory: str):
     """The Hugging Face tokenizer stored in a model directory, or None when it has none."""
     if not any(os.path.exists(os.path.join(directory, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
+    quiet_transformers()
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(directory)

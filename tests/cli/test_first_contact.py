@@ -304,3 +304,32 @@ def test_run_main_exits_141_on_a_closed_pipe_and_1_on_other_write_errors(monkeyp
     with pytest.raises(SystemExit) as exit_:
         run_main(writes_a_file)
     assert exit_.value.code == 1 and capsys.readouterr().err == "error: [Errno 32] Broken pipe\n"
+
+
+# ------------------------------------------------------------------------------------ G: no PyTorch
+
+# Loads a tokenizer (decode.py --target DIR) or transformers' GGUF tokenizer converter (the demo's first
+# fetch) first, with PyTorch hidden as on an install without it; reports whether transformers saw no PyTorch.
+NO_TORCH = """
+import sys
+sys.modules["torch"] = None  # importlib.util.find_spec("torch") is then None: not installed
+from retrace_jax.assets.models import _tokenizer_converter
+from retrace_jax.training.data import load_tokenizer
+if sys.argv[1] == "gguf":
+    _tokenizer_converter()
+assert load_tokenizer(sys.argv[2]).encode("w5 w6") == [5, 6]
+import transformers
+print("torch available:", transformers.utils.is_torch_available())
+"""
+
+
+@pytest.mark.parametrize("first", ["tokenizer", "gguf"])
+def test_loading_a_tokenizer_without_pytorch_prints_no_notice_about_it(first, tmp_path):
+    """decode.py printed "[transformers] PyTorch was not found. Models won't be available ..." on an
+    install without PyTorch, which retrace_jax never needs."""
+    from tests.helpers import save_word_tokenizer
+
+    save_word_tokenizer(str(tmp_path))
+    run = _python(["-c", NO_TORCH, first, str(tmp_path)])
+    assert (run.returncode, run.stdout) == (0, "torch available: False\n"), run.stderr
+    assert "PyTorch" not in run.stderr, run.stderr
