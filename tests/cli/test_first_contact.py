@@ -25,15 +25,45 @@ ENV = dict(os.environ, JAX_PLATFORMS="cpu", RETRACE_JAX_CACHE_DIR="", PYTHONUNBU
 ENV.pop("RETRACE_JAX_TRACEBACK", None)
 
 
-def _default_sigint():
-    """Ctrl-C as a terminal delivers it, in the child: a suite started in the background (``cmd &`` in a
-    script) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler at all."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# Ctrl-C as a terminal delivers it, in the child: a suite started in the background (``cmd &`` in a script)
+# inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler at all. A fresh interpreter
+# restores SIGINT's default action and becomes ``python ARGS`` (same process): a preexec_fn would run in a
+# fork of this process, which JAX's threads make unsafe (JAX warns at each such fork).
+DEFAULT_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                  "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+
+
+def _with_default_sigint(args):
+    """The command line that runs ``python ARGS`` with SIGINT's default action."""
+    return [sys.executable, "-c", DEFAULT_SIGINT, *args]
 
 
 def _python(args, **kwargs):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300,
-                          check=False, preexec_fn=_default_sigint, **kwargs)
+    return subprocess.run(_with_default_sigint(args), capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300,
+                          check=False, **kwargs)
+
+
+def test_children_start_without_forking_this_jax_process_and_take_ctrl_c():
+    """The default run printed 12 "os.fork() was called ... JAX is multithreaded" warnings from this file
+    (a preexec_fn forks the test process). The child still gets SIGINT's default action when this process
+    ignores it."""
+    import threading
+    import warnings
+
+    import jax
+
+    jax.devices()  # JAX's threads run, and its warning at each fork is registered
+    ignored = threading.current_thread() is threading.main_thread()  # signal.signal works there only
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        before = signal.signal(signal.SIGINT, signal.SIG_IGN) if ignored else None
+        try:
+            run = _python(["-c", "import signal; print(signal.getsignal(signal.SIGINT).__name__)"])
+        finally:
+            if ignored:
+                signal.signal(signal.SIGINT, before)
+    assert [str(w.message) for w in caught if "fork" in str(w.message)] == []
+    assert (run.returncode, run.stdout, run.stderr) == (0, "default_int_handler\n", "")
 
 
 # ------------------------------------------------------------------------------------ E: no JAX before parsing
@@ -116,8 +146,8 @@ def test_bad_values_exit_1_with_one_line_before_anything_loads(argv, line, capsy
 def _interrupt(args, marker: str, stop_after: float = 180):
     """Starts ``python ARGS``, sends SIGINT once ``marker`` appeared on its stdout, returns (status, stdout,
     stderr)."""
-    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT, env=ENV, preexec_fn=_default_sigint)
+    proc = subprocess.Popen(_with_default_sigint(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env=ENV)
     out = ""
     try:
         while marker not in out:
