@@ -448,6 +448,27 @@ def init_layers_from_target(drafter: DFlashDrafter, target, layer_ids) -> DFlash
     return drafter
 
 
+INIT_FC = ("random", "mean")
+
+
+def init_around_layers(drafter: DFlashDrafter, target, final_norm: bool = False, fc: str = "random") -> DFlashDrafter:
+    """A copy of the drafter whose parts around its layers start from the target: with ``final_norm`` the
+    final norm is the target's (whose LM head the drafter's output feeds); with ``fc="mean"`` the feature
+    projection starts as the mean of the target layers' features (one identity block per layer, each
+    divided by their number), so the context the drafter reads starts as a residual stream of the
+    target's instead of a random mixture. ``fc="random"`` keeps the projection as it is."""
+    if fc not in INIT_FC:
+        raise ValueError(f"fc must be one of {INIT_FC}, got {fc!r}")
+    drafter = nnx.clone(drafter)
+    if final_norm:
+        drafter.norm.weight.set_value(jnp.asarray(target.norm.weight.get_value(), drafter.norm.weight.get_value().dtype))
+    if fc == "mean":
+        d, n = drafter.cfg.hidden_size, drafter.cfg.num_features
+        kernel = jnp.concatenate([jnp.eye(d)] * n, axis=0) / n  # [n*d, d], stored [in, out]
+        drafter.fc.kernel.set_value(kernel.astype(drafter.fc.kernel.get_value().dtype))
+    return drafter
+
+
 def check_drafter_matches(cfg: DrafterConfig, target_cfg: ModelConfig) -> None:
     """Raises ``ConfigError`` listing every way a drafter does not fit a target."""
     problems = []

@@ -33,7 +33,7 @@ from pydantic import (
 )
 
 from retrace_jax.errors import ConfigError
-from retrace_jax.models.drafter import BlockSize
+from retrace_jax.models.drafter import INIT_FC, BlockSize
 from retrace_jax.models.retrace import Fusion, Hints, Mixture, Signals, Slots, ZeroStart
 from retrace_jax.parallel.sharding import parse_mesh_spec
 from retrace_jax.training.retrace_loss import CORRECTION_SOURCES
@@ -165,6 +165,10 @@ class DrafterSection(Section):
                                       "those of a Qwen2 target's layers that init_layers copies; null: none")
     init_layers: LayerList | None = doc("target layers whose weights start a new drafter's layers, one per layer "
                                         "(e.g. the last ones); null: random")
+    init_final_norm: Bool = doc("a new drafter's final norm starts as the target's (its output feeds the target's "
+                                "LM head); false: ones", False)
+    init_fc: Literal[INIT_FC] = doc("a new drafter's feature projection: random, or mean (the mean of the target "
+                                    "layers' features: one identity block per layer over their number)", "random")
     draft_vocab: PositiveInt | None = doc(
         "a new drafter proposes only the N most frequent response tokens of the training data (a draft vocabulary: "
         "its LM head is N rows of the target's, cheaper to train and to run; retrace_jax/models/draft_vocab.py); "
@@ -297,6 +301,9 @@ class TrainConfig(Section):
         d, dr, t, out = self.data, self.drafter, self.train, []
         if d.prompts == "random" and d.num_prompts is None:
             out.append("data.num_prompts: must be set for random prompts")
+        if dr.init and (dr.init_final_norm or dr.init_fc != "random"):
+            out.append(f"drafter.init_final_norm, drafter.init_fc: start a new drafter; with drafter.init the weights "
+                       f"come from {dr.init}")
         if dr.init_layers is not None and dr.init:
             out.append(f"drafter.init_layers: starts a new drafter; with drafter.init the weights come from {dr.init}")
         elif dr.init_layers is not None and len(dr.init_layers) != dr.num_layers:

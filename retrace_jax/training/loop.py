@@ -28,6 +28,7 @@ from retrace_jax.io.checkpoints import load_drafter
 from retrace_jax.models.draft_vocab import coverage, frequent_tokens, token_counts
 from retrace_jax.models.drafter import (
     check_drafter_matches,
+    init_around_layers,
     init_drafter,
     init_layers_from_target,
     with_draft_vocab,
@@ -75,6 +76,8 @@ def build_drafter(cfg, target, mesh, data: SequenceData | None = None, log=None)
                 drafter = init_layers_from_target(drafter, target, dc.init_layers)
             except ValueError as err:
                 raise ConfigError(f"drafter.init_layers: {err}") from None
+        if dc.init_final_norm or dc.init_fc != "random":
+            drafter = init_around_layers(drafter, target, dc.init_final_norm, dc.init_fc)
         if mesh is not None:
             drafter = shard_model(drafter, mesh)
         if dc.draft_vocab is not None:

@@ -71,6 +71,24 @@ def test_layers_start_from_target_layers(target, drafter):
         init_layers_from_target(drafter, target, [0, 9])
 
 
+def test_the_final_norm_and_the_feature_projection_can_start_from_the_target(target, drafter):
+    from retrace_jax.models.drafter import init_around_layers
+
+    target = randomize(target, seed=3)  # final-norm weights other than ones
+    same = init_around_layers(drafter, target)
+    np.testing.assert_array_equal(np.asarray(same.fc.kernel[...]), np.asarray(drafter.fc.kernel[...]))
+    np.testing.assert_array_equal(np.asarray(same.norm.weight[...]), np.asarray(drafter.norm.weight[...]))
+    both = init_around_layers(drafter, target, final_norm=True, fc="mean")
+    np.testing.assert_array_equal(np.asarray(both.norm.weight[...]), np.asarray(target.norm.weight[...]))
+    n, d = drafter.cfg.num_features, drafter.cfg.hidden_size
+    feats = jax.random.normal(jax.random.PRNGKey(0), (2, 5, n * d))
+    mean = feats.reshape(2, 5, n, d).mean(2)
+    np.testing.assert_allclose(np.asarray(both.fc(feats)), np.asarray(mean), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(drafter.fc.kernel[...]), np.asarray(same.fc.kernel[...]))  # a copy
+    with pytest.raises(ValueError, match="fc must be one of"):
+        init_around_layers(drafter, target, fc="eye")
+
+
 def test_a_narrower_mlp_starts_from_the_first_neurons_of_the_target_layer(target):
     """``intermediate_size`` below the target's: the attention is copied whole, the MLP from the target's
     first neurons (gate and up columns, down rows in the ``[in, out]`` layout); a wider MLP is refused."""
