@@ -21,7 +21,8 @@ target's greedy response in float32 (made once and kept in ``ROOT/_sets``):
 On each, at every block size of ``--blocks``, blocks are drafted at up to ``--anchors`` anchors spread over
 each response from the target's float32 features (:mod:`retrace_jax.training.probe`: for a greedy target
 this is exactly what a speculative round starting there accepts), giving each sequence's τ and the
-per-slot acceptance (slot k: the share of blocks that reach slot k whose slot k is accepted). The result,
+per-slot acceptance (slot k: the share of blocks that reach slot k whose slot k is accepted), and the share
+of the responses' tokens that the draft vocabulary holds. The result,
 ``ROOT/NAME/probe.json`` (``--out`` copies it), also holds the training time and last logged metrics.
 
 ``table`` prints one row per probe: dev τ at each block, its ratio to the baseline's at every block with a
@@ -159,8 +160,23 @@ def measure(drafter, target, sets: dict, blocks: list[int], anchors: int, root: 
             per_block[str(w)] = {"tau": float(np.nanmean(a.tau)), "tau_per_sequence": a.tau.tolist(),
                                  "blocks": int(a.blocks.sum()), "slot_acceptance": a.slot_acceptance.tolist(),
                                  "slot_reached": a.slot_reached.tolist()}
-        out[name] = {"sequences": len(s["tokens"]), "blocks": per_block}
+        out[name] = {"sequences": len(s["tokens"]), "blocks": per_block,
+                     "draft_vocab_coverage": vocab_coverage(drafter, s["tokens"], s["loss_mask"])}
     return out
+
+
+def vocab_coverage(drafter, tokens, loss_mask) -> float | None:
+    """The share of the set's response tokens that the drafter's draft vocabulary holds (None: it drafts
+    over the whole vocabulary)."""
+    import jax
+
+    from retrace_jax.models.draft_vocab import coverage, token_counts
+
+    vocab = getattr(drafter, "draft_vocab", None)
+    if vocab is None:
+        return None
+    counts = token_counts(list(tokens), list(loss_mask), drafter.cfg.vocab_size)
+    return coverage(counts, np.asarray(jax.device_get(vocab.get_value())))
 
 
 def last_metrics(out_dir: str) -> dict:

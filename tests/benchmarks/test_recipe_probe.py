@@ -24,7 +24,7 @@ def test_probes_train_measure_and_compare(prepared, tmp_path, capsys):
               "--fit", "5", "--blocks", "3,4", "--anchors", "5", "--set", "train.steps=12",
               "--set", "train.checkpoint_every=6"]
     base = recipe_probe.main(["run", "base", *common])
-    other = recipe_probe.main(["run", "lr", *common, "--set", "train.lr=1e-2"])
+    other = recipe_probe.main(["run", "lr", *common, "--set", "train.lr=1e-2", "--set", "drafter.draft_vocab=40"])
     for r in (base, other):
         assert r["steps"] == 12 and os.path.exists(tmp_path / r["name"] / "drafter")
         for name, n in (("dev", 6), ("fit", 5)):
@@ -32,7 +32,8 @@ def test_probes_train_measure_and_compare(prepared, tmp_path, capsys):
                 m = r[name]["blocks"][b]
                 assert len(m["tau_per_sequence"]) == n and 1.0 <= m["tau"] <= int(b)
                 assert len(m["slot_acceptance"]) == int(b) - 1 and m["blocks"] > 0
-    assert other["set"][-1] == "train.lr=1e-2" and other["dev"]["blocks"]["4"] != base["dev"]["blocks"]["4"]
+    assert base["dev"]["draft_vocab_coverage"] is None and 0.3 < other["dev"]["draft_vocab_coverage"] < 1
+    assert other["set"][-2] == "train.lr=1e-2" and other["dev"]["blocks"]["4"] != base["dev"]["blocks"]["4"]
     # the sets are made once and shared: both probes saw the same sequences
     assert len([f for f in os.listdir(tmp_path / "_sets") if f.startswith(("dev-", "fit-"))]) == 2
     again = recipe_probe.main(["run", "base", *common])  # trained already: measured again, the same
