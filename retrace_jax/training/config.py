@@ -209,6 +209,10 @@ class TrainSection(Section):
     batch_size: PositiveInt = doc("global batch, in sequences (over all processes and devices)", 8)
     seq_len: PositiveInt = doc("sequences are cut or padded to this many tokens", 128)
     num_anchors: PositiveInt = doc("anchored blocks per sequence", 8)
+    length_buckets: Bool = doc("batches of sequences of similar length (sorted within groups of 16 batches of an "
+                               "epoch's permutation), each padded to its longest rounded up to a multiple of 128 "
+                               "positions instead of to seq_len: less padding, a few compiled step shapes; one "
+                               "process", False)
     lr: PositiveFloat = doc("peak learning rate of AdamW", 3.0e-3)
     warmup_frac: NonNegativeFloat = doc("linear warm-up, as a fraction of the optimizer updates; then cosine decay",
                                         0.04, lt=1)

@@ -29,6 +29,8 @@ from retrace_jax.io.atomic import write_error
 from retrace_jax.validation import short_repr
 
 MANIFEST = "manifest.json"
+BUCKET_WIDTH = 128  # train.length_buckets: batches are padded to a multiple of this many positions
+BUCKET_GROUP = 16  # train.length_buckets: batches sorted by length together
 
 
 # ---------------------------------------------------------------------------------------------- prompts
@@ -420,25 +422,50 @@ class SequenceData:
     def __len__(self):
         return len(self.tokens)
 
-    def indices(self, step: int, batch_size: int, seed: int) -> np.ndarray:
-        """The sequences of training step ``step``: consecutive slices of per-epoch permutations."""
+    def indices(self, step: int, batch_size: int, seed: int, bucketed: bool = False) -> np.ndarray:
+        """The sequences of training step ``step``: consecutive slices of per-epoch permutations. With
+        ``bucketed`` each epoch's order is :meth:`bucketed_order`: batches of sequences of similar length."""
         n = len(self.tokens)
         perms: dict[int, np.ndarray] = {}
         idx = []
         for j in range(step * batch_size, (step + 1) * batch_size):
             epoch, pos = divmod(j, n)
             if epoch not in perms:
-                perms[epoch] = np.random.default_rng([seed, epoch]).permutation(n)
+                perms[epoch] = (self.bucketed_order(seed, epoch, batch_size) if bucketed
+                                else np.random.default_rng([seed, epoch]).permutation(n))
             idx.append(perms[epoch][pos])
         return np.asarray(idx)
 
-    def rows(self, idx):
-        """``tokens [len(idx), seq_len]`` int32, ``loss_mask`` and the real lengths of those sequences."""
-        tokens = np.zeros((len(idx), self.seq_len), np.int32)
-        mask = np.zeros((len(idx), self.seq_len), np.int32)
+    def bucketed_order(self, seed: int, epoch: int, batch_size: int, group: int = BUCKET_GROUP) -> np.ndarray:
+        """An epoch's order for length-bucketed batches: the epoch's permutation cut into groups of
+        ``group`` batches, each group sorted by length and cut into batches, the batches shuffled; a pure
+        function of ``(seed, epoch)`` like the plain order, and every sequence once per epoch."""
+        rng = np.random.default_rng([seed, epoch, 1])
+        perm = np.random.default_rng([seed, epoch]).permutation(len(self.tokens))
+        lengths = np.array([min(len(t), self.seq_len) for t in self.tokens])
+        size = group * batch_size
+        batches = []
+        for g in range(0, len(perm), size):
+            chunk = perm[g : g + size]
+            chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
+            batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+        return np.concatenate([batches[i] for i in rng.permutation(len(batches))])
+
+    def width(self, idx) -> int:
+        """The padded length of a length-bucketed batch: its longest sequence rounded up to a multiple of
+        :data:`BUCKET_WIDTH` (at most ``seq_len``), so that only a few step shapes are compiled."""
+        longest = max(min(len(self.tokens[i]), self.seq_len) for i in idx)
+        return min(self.seq_len, -(-longest // BUCKET_WIDTH) * BUCKET_WIDTH)
+
+    def rows(self, idx, width: int | None = None):
+        """``tokens [len(idx), width]`` int32 (``width``: ``seq_len`` unless given), ``loss_mask`` and the
+        real lengths of those sequences (cut to ``width``)."""
+        width = self.seq_len if width is None else width
+        tokens = np.zeros((len(idx), width), np.int32)
+        mask = np.zeros((len(idx), width), np.int32)
         lengths = np.zeros((len(idx),), np.int32)
         for row, i in enumerate(idx):
-            t, m = self.tokens[i][: self.seq_len], self.mask[i][: self.seq_len]
+            t, m = self.tokens[i][:width], self.mask[i][:width]
             tokens[row, : len(t)] = t
             mask[row, : len(m)] = m
             lengths[row] = len(t)

@@ -145,7 +145,7 @@ def run_settings(cfg: TrainConfig, drafter, num_sequences: int) -> dict:
         "memory_dropout": t.memory_dropout if retrace else None, "miss_weight": t.miss_weight if retrace else None,
         "correction_source": t.correction_source, "beta_warmup_steps": t.beta_warmup_steps,
         "compute_dtype": t.compute_dtype, "memory_dtype": t.memory_dtype, "block_size": drafter_cfg.block_size,
-        "slot_weights": t.slot_weights, "schedule": t.schedule,
+        "slot_weights": t.slot_weights, "schedule": t.schedule, "length_buckets": t.length_buckets,
         "decay_frac": t.decay_frac if t.schedule == "constant" else None,
         "num_layers": drafter_cfg.num_layers, "intermediate_size": drafter_cfg.intermediate_size,
         "attention_bias": drafter_cfg.attention_bias,
@@ -211,11 +211,14 @@ def _warning(log):
     return lambda message: log({"event": "warning", "message": message})
 
 
-def global_batch(data: SequenceData, step: int, batch_size: int, seed: int, mesh, features=None):
-    """The arrays of batch ``step``, sharded over the data axes; each process fills only its own rows."""
-    idx = data.indices(step, batch_size, seed)
-    tokens, mask, lengths = data.rows(idx)
-    host = [tokens, mask] + ([features[idx]] if features is not None else [])
+def global_batch(data: SequenceData, step: int, batch_size: int, seed: int, mesh, features=None,
+                 bucketed: bool = False):
+    """The arrays of batch ``step``, sharded over the data axes; each process fills only its own rows.
+    ``bucketed`` (``train.length_buckets``): batches of similar lengths, each as wide as it needs."""
+    idx = data.indices(step, batch_size, seed, bucketed)
+    width = data.width(idx) if bucketed else None
+    tokens, mask, lengths = data.rows(idx, width)
+    host = [tokens, mask] + ([features[idx][:, : tokens.shape[1]]] if features is not None else [])
     arrays = [jax.make_array_from_callback(x.shape, batch_sharding(mesh, x.ndim), lambda i, x=x: x[i]) for x in host]
     return arrays, int(lengths.sum())
 
@@ -253,6 +256,9 @@ def _setup(cfg: TrainConfig, log) -> _Setup:
     if t.batch_size % data_parallel:
         raise ConfigError(f"train.batch_size {t.batch_size} must divide over the data axes of mesh "
                                  f"{dict(mesh.shape)} ({data_parallel})")
+    if t.length_buckets and jax.process_count() > 1:
+        raise ConfigError("train.length_buckets serves single-process runs (each process holds other sequences, "
+                          "so their batch widths would differ)")
     if t.feature_cache and jax.process_count() > 1:
         raise ConfigError("train.feature_cache serves single-process runs; with several processes the "
                                  "features are computed in the step")
@@ -360,7 +366,7 @@ def _run(cfg: TrainConfig, setup: _Setup, eval_ids, ckpts, start, log) -> dict:
 
     try:
         while step < t.steps:
-            batch, tokens = global_batch(data, step, t.batch_size, t.seed, mesh, features)
+            batch, tokens = global_batch(data, step, t.batch_size, t.seed, mesh, features, t.length_buckets)
             drafter_state, opt_state, metrics = step_fn(target_state, drafter_state, opt_state, batch[0], batch[1],
                                                         jnp.int32(step), jnp.uint32(t.seed), *batch[2:])
             step += 1

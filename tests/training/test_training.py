@@ -697,3 +697,17 @@ def test_data_of_float32_products_is_refused_for_bfloat16_products_and_old_manif
     check_prepared(cfg)  # float32 products: accepted
     with pytest.raises(DataError, match="bfloat16 products"):
         check_prepared(load_config(config, [f"data.dir={old}", "target_precision=bfloat16"]))
+
+
+def test_length_buckets_train_with_and_without_the_feature_store(workspace, dflash_run, tmp_path):
+    """Batches of similar lengths, each as wide as it needs: the step runs at each width, from features
+    computed in the step and from the store."""
+    root, config = workspace
+    for cache in ("false", "true"):
+        out = tmp_path / cache
+        summary = train.main(["--config", config, "--set", f"out={out}", "--set", "train.steps=6", "--set",
+                              "train.length_buckets=true", "--set", f"train.feature_cache={cache}", "--set",
+                              "train.seq_len=200", "--set", "train.checkpoint_every=6"])
+        assert summary["steps_run"] == 6 and os.path.exists(out / "drafter")
+        losses = [r["loss"] for r in _records(out) if "loss" in r]
+        assert len(losses) == 6 and all(np.isfinite(losses))
