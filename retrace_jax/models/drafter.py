@@ -414,13 +414,15 @@ def with_draft_vocab(drafter: DFlashDrafter, ids) -> DFlashDrafter:
     return new
 
 
-def init_layers_from_target(drafter: DFlashDrafter, target, layer_ids) -> DFlashDrafter:
+def init_layers_from_target(drafter: DFlashDrafter, target, layer_ids, neurons=None) -> DFlashDrafter:
     """A copy of the drafter whose decoder layer ``i`` starts from target layer ``layer_ids[i]``: every
     weight the two blocks share (attention projections, MLP, norms) is copied. What only the drafter
     has keeps its value: the q/k norms when the target has none (Llama, Qwen2), the feature projection
     ``fc`` and the norms around it; target biases the drafter lacks are left out. A drafter with a
     narrower MLP (``intermediate_size``) takes the target MLP's first ``intermediate_size`` neurons (their
-    rows of the gate and up projections, their columns of the down projection)."""
+    rows of the gate and up projections, their columns of the down projection), or with ``neurons`` (one
+    ``[I_target]`` score per drafter layer, e.g. :meth:`TargetModel.mlp_activity`) the highest-scoring
+    ones, in their order in the target."""
     ids = [int(i) for i in layer_ids]
     if len(ids) != drafter.cfg.num_layers:
         raise ValueError(f"init_layers_from_target: {len(ids)} layer ids for a drafter of {drafter.cfg.num_layers} "
@@ -429,9 +431,19 @@ def init_layers_from_target(drafter: DFlashDrafter, target, layer_ids) -> DFlash
     bad = [i for i in ids if not 0 <= i < len(slices)]
     if bad:
         raise ValueError(f"init_layers_from_target: layers {bad} are not among the target's 0..{len(slices) - 1}")
+    if neurons is not None and len(neurons) != len(ids):
+        raise ValueError(f"init_layers_from_target: {len(neurons)} neuron scores for {len(ids)} layers")
     drafter = nnx.clone(drafter)  # its own variables: the caller's drafter stays as it was
     flat = dict(nnx.to_flat_state(nnx.state(drafter)))
+    width = drafter.cfg.intermediate_size
     for i, layer in enumerate(ids):
+        keep = None  # the target neurons a narrower MLP keeps: the first ones, or the highest-scoring
+        if neurons is not None:
+            score = jnp.asarray(neurons[i])
+            if score.shape != (target.cfg.intermediate_size,):
+                raise ValueError(f"init_layers_from_target: neuron scores of shape {score.shape} for an MLP of "
+                                 f"{target.cfg.intermediate_size}")
+            keep = jnp.sort(jnp.argsort(-score, stable=True)[:width])
         for path, var in nnx.to_flat_state(slices[layer]):
             mine = flat.get(("layers", i) + tuple(path))
             if mine is None:
@@ -439,7 +451,10 @@ def init_layers_from_target(drafter: DFlashDrafter, target, layer_ids) -> DFlash
             value = var.get_value()
             want = mine.get_value().shape
             narrower = path[0] == "mlp" and len(want) == value.ndim and all(w <= v for w, v in zip(want, value.shape))
-            if value.shape != want and narrower:  # the first neurons of a wider MLP
+            if value.shape != want and narrower and keep is not None:  # the chosen neurons of a wider MLP
+                axis = next(a for a, (w, v) in enumerate(zip(want, value.shape)) if w != v)
+                value = jnp.take(value, keep, axis=axis)
+            elif value.shape != want and narrower:  # the first neurons of a wider MLP
                 value = value[tuple(slice(0, w) for w in want)]
             if value.shape != want:
                 raise ValueError(f"init_layers_from_target: target layer {layer} {'.'.join(map(str, path))} has "
@@ -461,7 +476,9 @@ def init_around_layers(drafter: DFlashDrafter, target, final_norm: bool = False,
         raise ValueError(f"fc must be one of {INIT_FC}, got {fc!r}")
     drafter = nnx.clone(drafter)
     if final_norm:
-        drafter.norm.weight.set_value(jnp.asarray(target.norm.weight.get_value(), drafter.norm.weight.get_value().dtype))
+        # a copy: training donates the drafter's buffers, which must not be the target's
+        drafter.norm.weight.set_value(jnp.array(target.norm.weight.get_value(), drafter.norm.weight.get_value().dtype,
+                                                copy=True))
     if fc == "mean":
         d, n = drafter.cfg.hidden_size, drafter.cfg.num_features
         kernel = jnp.concatenate([jnp.eye(d)] * n, axis=0) / n  # [n*d, d], stored [in, out]

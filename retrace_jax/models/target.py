@@ -18,6 +18,7 @@ from retrace_jax.attention import (
     cached_attention,
     fresh_attention,
     fresh_kernel,
+    reference_attention,
 )
 from retrace_jax.models.config import ModelConfig
 from retrace_jax.models.kv_cache import KVCache
@@ -92,6 +93,29 @@ class TargetModel(nnx.Module):
         """The stacked blocks' parameters sliced into one pytree per layer (copies, on CPU)."""
         _, params = nnx.split(self.layers)
         return [jax.tree.map(lambda a, i=i: layer_of(a, i), params) for i in range(self.cfg.num_layers)]
+
+    def mlp_activity(self, tokens_bs, valid_bs, layer: int):
+        """``[I]``: the mean absolute activation ``|silu(gate(u)) * up(u)|`` of each MLP neuron of ``layer``
+        over the ``valid`` positions of ``tokens`` (causal attention within each row), e.g. to keep a
+        narrower drafter MLP's most active neurons (:func:`~retrace_jax.models.drafter.init_layers_from_target`)."""
+        b, s = tokens_bs.shape
+        if layer == 0:
+            x = self.embed(tokens_bs)
+        else:
+            x = self(tokens_bs, self.init_cache(b, s), feature_layers=(layer - 1,), attention="chunked").features
+        graphdef, _ = nnx.split(self.layers)
+        block = nnx.merge(graphdef, self.layer_slices()[layer])
+        positions = jnp.broadcast_to(jnp.arange(s), (b, s))
+        mask = jnp.tril(jnp.ones((s, s), bool))[None] & valid_bs[:, None, :].astype(bool)
+
+        def attend(q, k, v):
+            return reference_attention(q, k, v, mask), None
+
+        attn, _ = block.self_attn(block.input_layernorm(x), positions, attend)
+        u = block.post_attention_layernorm(x + attn)
+        act = jnp.abs(jax.nn.silu(block.mlp.gate_proj(u)) * block.mlp.up_proj(u))  # [B, S, I]
+        w = valid_bs.astype(act.dtype)[:, :, None]
+        return jnp.sum(act * w, (0, 1)) / jnp.maximum(jnp.sum(w), 1.0)
 
     def unroll_layers(self, slices: list | None = None) -> "TargetModel":
         """Slices the stacked blocks into separate per-layer arrays, once (call it inside a jitted program

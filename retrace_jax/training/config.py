@@ -165,6 +165,9 @@ class DrafterSection(Section):
                                       "those of a Qwen2 target's layers that init_layers copies; null: none")
     init_layers: LayerList | None = doc("target layers whose weights start a new drafter's layers, one per layer "
                                         "(e.g. the last ones); null: random")
+    init_mlp_neurons: Literal["first", "active"] = doc(
+        "with init_layers and a narrower MLP (intermediate_size): which of the target layer's neurons the drafter "
+        "keeps: first, or active (the highest mean |activation| over 32 training sequences)", "first")
     init_final_norm: Bool = doc("a new drafter's final norm starts as the target's (its output feeds the target's "
                                 "LM head); false: ones", False)
     init_fc: Literal[INIT_FC] = doc("a new drafter's feature projection: random, or mean (the mean of the target "
@@ -305,6 +308,8 @@ class TrainConfig(Section):
         d, dr, t, out = self.data, self.drafter, self.train, []
         if d.prompts == "random" and d.num_prompts is None:
             out.append("data.num_prompts: must be set for random prompts")
+        if dr.init_mlp_neurons != "first" and dr.init_layers is None:
+            out.append("drafter.init_mlp_neurons: chooses the neurons that drafter.init_layers copies; set init_layers")
         if dr.init and (dr.init_final_norm or dr.init_fc != "random"):
             out.append(f"drafter.init_final_norm, drafter.init_fc: start a new drafter; with drafter.init the weights "
                        f"come from {dr.init}")

@@ -72,8 +72,13 @@ def build_drafter(cfg, target, mesh, data: SequenceData | None = None, log=None)
                                retrace=retrace, seed=t.seed)
         check_drafter_matches(drafter.cfg, target.cfg)
         if dc.init_layers is not None:
+            neurons = None
+            if dc.init_mlp_neurons == "active":
+                if data is None:
+                    raise ConfigError("drafter.init_mlp_neurons: active needs the prepared data to measure on")
+                neurons = mlp_activity(target, data, dc.init_layers, log)
             try:
-                drafter = init_layers_from_target(drafter, target, dc.init_layers)
+                drafter = init_layers_from_target(drafter, target, dc.init_layers, neurons)
             except ValueError as err:
                 raise ConfigError(f"drafter.init_layers: {err}") from None
         if dc.init_final_norm or dc.init_fc != "random":
@@ -110,6 +115,20 @@ def build_drafter(cfg, target, mesh, data: SequenceData | None = None, log=None)
     if room:
         raise ConfigError(room[0])
     return drafter
+
+
+def mlp_activity(target, data: SequenceData, layers, log=None, sequences: int = 32) -> list:
+    """Each layer's mean |MLP activation| per neuron over ``sequences`` training sequences spread over the
+    data (:meth:`TargetModel.mlp_activity`; every position of the sequences counts)."""
+    idx = np.unique(np.linspace(0, len(data) - 1, min(sequences, len(data))).round().astype(int))
+    width = data.width(idx)
+    tokens, _, lengths = data.rows(idx, width)
+    valid = np.arange(width)[None, :] < lengths[:, None]
+    scores = [np.asarray(jax.device_get(target.mlp_activity(jnp.asarray(tokens), jnp.asarray(valid), int(layer))))
+              for layer in layers]
+    if log is not None:
+        log({"event": "mlp_activity", "layers": [int(x) for x in layers], "sequences": len(idx)})
+    return scores
 
 
 def step_options(cfg: TrainConfig) -> StepOptions:

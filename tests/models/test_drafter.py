@@ -252,3 +252,37 @@ def test_a_drafter_with_attention_biases_keeps_those_of_copied_qwen2_layers(hf_m
                                   np.asarray(biased.layers[0].self_attn.k_proj.bias[...]))
     plain = init_layers_from_target(rj.init_drafter(target.cfg, mask_token_id=3, num_layers=1), target, [1])
     assert not hasattr(plain.layers[0].self_attn.q_proj, "bias") or plain.layers[0].self_attn.q_proj.bias is None
+
+
+def test_mlp_activity_matches_transformers_and_picks_the_neurons_a_narrower_mlp_keeps(hf_model_dir, qwen3):
+    """TargetModel.mlp_activity is the mean |input of down_proj| of a layer in transformers; a narrower
+    drafter MLP started with those scores keeps the most active neurons, in the target's order."""
+    from retrace_jax.models.drafter import init_layers_from_target
+
+    hf, _ = hf_model_dir("qwen3")
+    tokens = np.random.RandomState(0).randint(0, 120, (2, 10))
+    valid = np.ones((2, 10), bool)
+    valid[1, 7:] = False  # a shorter second row
+    captured = {}
+    hook = hf.model.layers[1].mlp.down_proj.register_forward_hook(
+        lambda mod, args, out: captured.__setitem__("x", args[0].detach().numpy()))
+    try:
+        with torch.no_grad():
+            hf(torch.as_tensor(tokens), attention_mask=torch.as_tensor(valid.astype(np.int64)))
+    finally:
+        hook.remove()
+    ref = np.abs(captured["x"])[valid].mean(0)
+    got = np.asarray(qwen3.mlp_activity(jnp.asarray(tokens), jnp.asarray(valid), 1))
+    np.testing.assert_allclose(got, ref, rtol=2e-4, atol=1e-6)
+    width = qwen3.cfg.intermediate_size // 2
+    drafter = rj.init_drafter(qwen3.cfg, mask_token_id=127, num_layers=1, block_size=4, intermediate_size=width)
+    chosen = init_layers_from_target(drafter, qwen3, [1], neurons=[got])
+    keep = np.sort(np.argsort(-got, kind="stable")[:width])
+    layer = qwen3.layer_slices()[1]["mlp"]
+    np.testing.assert_array_equal(np.asarray(chosen.layers[0].mlp.gate_proj.kernel[...]),
+                                  np.asarray(layer["gate_proj"]["kernel"].get_value())[:, keep])
+    np.testing.assert_array_equal(np.asarray(chosen.layers[0].mlp.down_proj.kernel[...]),
+                                  np.asarray(layer["down_proj"]["kernel"].get_value())[keep, :])
+    assert not np.array_equal(keep, np.arange(width))  # not simply the first neurons
+    with pytest.raises(ValueError, match="neuron scores"):
+        init_layers_from_target(drafter, qwen3, [1], neurons=[got[:5]])

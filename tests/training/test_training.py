@@ -711,3 +711,16 @@ def test_length_buckets_train_with_and_without_the_feature_store(workspace, dfla
         assert summary["steps_run"] == 6 and os.path.exists(out / "drafter")
         losses = [r["loss"] for r in _records(out) if "loss" in r]
         assert len(losses) == 6 and all(np.isfinite(losses))
+
+
+def test_a_narrower_mlp_starts_from_the_most_active_neurons(workspace, dflash_run, tmp_path):
+    root, config = workspace
+    out = tmp_path / "active"
+    common = ["--config", config, "--set", "train.steps=2", "--set", "drafter.init_layers=[1]", "--set",
+              "drafter.intermediate_size=32", "--set", "train.checkpoint_every=2", "--set", "train.eval_every=0"]
+    train.main([*common, "--set", f"out={out}", "--set", "drafter.init_mlp_neurons=active",
+                "--set", "drafter.init_final_norm=true", "--set", "drafter.init_fc=mean"])
+    events = [r for r in _records(out) if r.get("event") == "mlp_activity"]
+    assert events == [{"event": "mlp_activity", "layers": [1], "sequences": 32}]
+    with pytest.raises(rj.ConfigError, match="drafter.init_mlp_neurons: chooses the neurons"):
+        load_config(config, ["drafter.init_mlp_neurons=active"])
