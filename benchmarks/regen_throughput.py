@@ -28,6 +28,7 @@ from flax import nnx  # noqa: E402
 import retrace_jax as rj  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
 from retrace_jax.training.data import chat_encoder, iter_prompt_ids, load_tokenizer, read_prompts  # noqa: E402
+from retrace_jax.models.layers import bfloat16_kernels  # noqa: E402
 from retrace_jax.training.dflash_loss import target_features  # noqa: E402
 
 PRECISIONS = ("float32", "bfloat16")
@@ -59,19 +60,22 @@ def main(argv=None):
     tokenizer = load_tokenizer(args.target)
     ids = iter_prompt_ids(read_prompts(args.prompts, args.num_prompts), chat_encoder(tokenizer))
     stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    graphdef, state = nnx.split(target)
+    # as train.py runs them: bfloat16 products from kernels rounded once (bfloat16_kernels)
+    models = {"float32": target, "bfloat16": bfloat16_kernels(target)}
+    graphdef, _ = nnx.split(target)
+    states = {pr: nnx.split(m)[1] for pr, m in models.items()}
     features = jax.jit(lambda st, tokens: target_features(nnx.merge(graphdef, st), tokens, layers))
 
     def regenerate(precision):
         with jax.default_matmul_precision(precision):
             start = time.perf_counter()
-            out = rj.generate(target, ids, args.max_new_tokens, stop_token_ids=stops)
+            out = rj.generate(models[precision], ids, args.max_new_tokens, stop_token_ids=stops)
             return out.tokens, time.perf_counter() - start
 
     def feature_pass(precision, tokens):
         with jax.default_matmul_precision(precision):
             start = time.perf_counter()
-            f = jax.block_until_ready(features(state, tokens))
+            f = jax.block_until_ready(features(states[precision], tokens))
             return f, time.perf_counter() - start
 
     responses = {pr: regenerate(pr)[0] for pr in PRECISIONS}  # compiles
