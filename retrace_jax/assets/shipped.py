@@ -13,6 +13,7 @@ import shutil
 
 from retrace_jax.errors import CheckpointError
 from retrace_jax.io.digest import CHECKSUMS, changed_files, read_checksums, write_checksums
+from retrace_jax.io.files import regular_file
 
 # drafters this project trained and ships inside the package: target name -> {variant: directory under
 # drafters/}; "default" is the one `decode.py --target MODEL` runs (retrace_jax/assets/drafters/README.md
@@ -37,8 +38,11 @@ def shipped_drafter(model: str, variant: str = "default") -> str:
     if variant not in SHIPPED[model]:
         raise ValueError(f"no {variant!r} drafter shipped for {model!r}; there are: {', '.join(SHIPPED[model])}")
     path = os.path.join(DRAFTERS_DIR, SHIPPED[model][variant])
-    if not os.path.isfile(os.path.join(path, "model.safetensors")):
-        raise FileNotFoundError(f"the shipped drafter is missing from {path} (a broken installation?)")
+    try:  # there but no regular file (a directory, a FIFO) is said to be what it is, and never opened
+        regular_file(os.path.join(path, "model.safetensors"),
+                     f"the shipped drafter is missing from {path} (a broken installation?)")
+    except CheckpointError as err:
+        raise CheckpointError(f"the shipped drafter in {path} is damaged: {err} (reinstall retrace-jax)") from None
     check_shipped(path)
     return path
 
@@ -48,9 +52,16 @@ def check_shipped(path: str) -> None:
     with the content recorded there."""
     where = f"the shipped drafter in {path}"
     try:
+        if os.path.lexists(os.path.join(path, CHECKSUMS)):  # a FIFO would never be read to its end
+            regular_file(os.path.join(path, CHECKSUMS), "")
         recorded = read_checksums(path)
+        for name in recorded or ():  # what is there but no regular file is said to be what it is, not missing
+            if os.path.lexists(os.path.join(path, name)):
+                regular_file(os.path.join(path, name), "")
         names = os.listdir(path)
         bad = [] if recorded is None else changed_files(path, recorded)
+    except CheckpointError as err:
+        raise CheckpointError(f"{where} is damaged: {err} (reinstall retrace-jax)") from None
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{where} cannot be checked ({err}); reinstall retrace-jax") from None
     if recorded is None:

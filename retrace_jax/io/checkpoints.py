@@ -16,6 +16,7 @@ from safetensors.numpy import save_file
 
 from retrace_jax.errors import CheckpointError, ConfigError
 from retrace_jax.io.atomic import default_dir_mode, read_directory, replace_directory, write_error
+from retrace_jax.io.files import regular_file
 from retrace_jax.io.safetensors import SINGLE_FILE, TensorReader, strip_prefix
 from retrace_jax.io.weights import (
     WeightSpec,
@@ -138,9 +139,9 @@ def read_draft_vocab(path: str, cfg: DrafterConfig) -> np.ndarray | None:
             raise CheckpointError(f"{file} is there but {os.path.join(path, 'config.json')} has no draft_vocab_size; "
                                   f"remove the file or add the field")
         return None
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"{os.path.join(path, 'config.json')} has draft_vocab_size {cfg.draft_vocab_size} "
-                                f"but {file} is missing")
+    # there but no regular file (a directory, a FIFO) is said to be what it is, and never opened
+    regular_file(file, f"{os.path.join(path, 'config.json')} has draft_vocab_size {cfg.draft_vocab_size} "
+                       f"but {file} is missing")
     try:
         with safe_open(file, framework="numpy") as f:
             if draft_vocab.TENSOR not in f.keys():

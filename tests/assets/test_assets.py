@@ -137,6 +137,32 @@ def test_a_shipped_drafter_without_its_checksums_or_with_other_files_is_refused(
         shipped.shipped_drafter("smollm2-135m-instruct")
 
 
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "SHA256SUMS"])
+@pytest.mark.parametrize("kind, described", [("directory", "is a directory"), ("fifo", "is a FIFO (named pipe)")])
+def test_a_shipped_drafter_file_that_is_no_file_says_what_it_is(shipped_copy, name, kind, described):
+    """A shipped drafter's model.safetensors that is a directory or a FIFO was reported as missing (and
+    other files as "(missing)"); each is said to be what it is, and a FIFO is never opened (#58 item 11)."""
+    import signal
+
+    path = shipped.shipped_drafter("smollm2-135m-instruct")
+    file = os.path.join(path, name)
+    os.remove(file)
+    os.mkdir(file) if kind == "directory" else os.mkfifo(file)
+
+    def fail(*_):
+        raise TimeoutError("a FIFO was opened (waiting for a writer)")
+
+    previous = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(60)
+    try:
+        with pytest.raises(CheckpointError, match=re.escape(
+                f"the shipped drafter in {path} is damaged: {file} {described}, not a regular file (reinstall")):
+            shipped.shipped_drafter("smollm2-135m-instruct")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def test_ship_drafter_writes_what_shipped_drafter_accepts(shipped_copy, monkeypatch):
     """The shipping path (scripts/qwen25coder05.sh, scripts/smollm2_demo.sh): a plain directory of bfloat16
     tensors and its SHA256SUMS, replacing what was there."""

@@ -78,3 +78,16 @@ def test_both_layouts_as_files_are_still_refused(qwen3_copy):
     open(os.path.join(qwen3_copy, "model.safetensors.index.json"), "w").close()
     with pytest.raises(rj.CheckpointError, match="holds both model.safetensors and model.safetensors.index.json"):
         rj.load_target(qwen3_copy)
+
+
+@pytest.mark.parametrize("kind, described", [("directory", "is a directory"), ("fifo", "is a FIFO (named pipe)")])
+def test_a_draft_vocabulary_that_is_no_file_says_what_it_is(tmp_path, kind, described):
+    """draft_vocab.safetensors that is a directory or a FIFO was reported as missing (#58 item 11)."""
+    target = rj.tiny.tiny_target()
+    directory = str(tmp_path / "d")
+    drafter = rj.init_drafter(target.cfg, mask_token_id=3, num_layers=1, block_size=4, draft_vocab=list(range(64)))
+    rj.save_drafter(drafter, directory)
+    path = os.path.join(os.path.realpath(directory), "draft_vocab.safetensors")
+    _replace(path, kind)
+    with pytest.raises(rj.CheckpointError, match=re.escape(f"{path} {described}, not a regular file")):
+        rj.load_drafter(directory, target)
