@@ -203,6 +203,15 @@ def run(args) -> dict:
     sets_args = list(args.set) + [f"out={out_dir}"]
     cfg = load_config(args.config, sets_args)
     result_path = os.path.join(out_dir, "probe.json")
+    if os.path.exists(result_path) and not args.again:  # measured already: the table of that result
+        with open(result_path) as f:
+            result = json.load(f)
+        if result.get("set") == list(args.set) and result.get("dev_lines") == args.dev_lines:
+            write_json(result, args.out)
+            print_table([result], args.name)
+            return result
+        raise SystemExit(f"{result_path} was measured with other settings ({result.get('set')}); use another "
+                         f"NAME, or --again to train and measure anew")
     start = time.perf_counter()
     if not os.path.exists(os.path.join(out_dir, "drafter")):
         train_cli.main(["--config", args.config, "--stage", "train"] + [x for s in sets_args for x in ("--set", s)])
@@ -223,6 +232,29 @@ def run(args) -> dict:
     write_json(result, args.out)
     print_table([result], args.name)
     return result
+
+
+def sets_only(args) -> None:
+    """Builds the dev and fit sets and their float32 features at the configuration's drafter layers (what
+    ``run`` would build first), e.g. while the data for the first probe is still being prepared."""
+    import retrace_jax as rj
+    from retrace_jax.training.config import load_config
+    from retrace_jax.training.data import load_tokenizer
+
+    cfg = load_config(args.config, list(args.set))
+    target = rj.load_target(cfg.target, dtype="float32")
+    sets = evaluation_sets(cfg, target, load_tokenizer(cfg.target), args)
+    layers = cfg.drafter.target_layer_ids
+    if layers is None:  # the official default, as init_drafter chooses it
+        from retrace_jax.models.drafter import default_target_layer_ids
+
+        layers = default_target_layer_ids(target.cfg.num_layers, cfg.drafter.num_layers)
+    layers = [int(x) for x in layers]
+    for s in sets.values():
+        features_of(target, s["tokens"], layers, os.path.join(args.root, "_sets"),
+                    {"target": os.path.abspath(cfg.target), "set": _digest(s["tokens"].tolist()), "layers": layers})
+    print(f"sets in {os.path.join(args.root, '_sets')}: " + ", ".join(f"{k} {len(v['tokens'])} sequences"
+                                                                     for k, v in sets.items()))
 
 
 def _records(out_dir: str) -> list[dict]:
@@ -314,6 +346,8 @@ def main(argv=None):
     r.add_argument("--blocks", default="4,8,16", help="block sizes to measure at")
     r.add_argument("--anchors", type=int, default=32, help="anchors per sequence")
     r.add_argument("--out", help="also write the result here")
+    r.add_argument("--again", action="store_true", help="train and measure even if NAME has a result")
+    r.add_argument("--sets-only", action="store_true", help="only build the dev and fit sets and their features")
     t = sub.add_parser("table", help="compare probes' results")
     t.add_argument("results", nargs="+", help="probe.json files")
     t.add_argument("--baseline", default="base")
@@ -330,7 +364,7 @@ def main(argv=None):
     if args.command == "run":
         if args.fit < 1 or args.anchors < 1:
             p.error("--fit and --anchors must be positive")
-        return run(args)
+        return sets_only(args) if args.sets_only else run(args)
     results = []
     for path in args.results:
         with open(path) as f:

@@ -23,6 +23,8 @@ def test_probes_train_measure_and_compare(prepared, tmp_path, capsys):
     common = ["--config", config, "--root", str(tmp_path), "--dev", str(root / "prompts.jsonl"), "--dev-lines", "0:6",
               "--fit", "5", "--blocks", "3,4", "--anchors", "5", "--set", "train.steps=12",
               "--set", "train.checkpoint_every=6"]
+    assert recipe_probe.main(["run", "base", *common, "--sets-only"]) is None
+    assert len(os.listdir(tmp_path / "_sets")) == 4  # dev, fit and their features
     base = recipe_probe.main(["run", "base", *common])
     other = recipe_probe.main(["run", "lr", *common, "--set", "train.lr=1e-2", "--set", "drafter.draft_vocab=40"])
     for r in (base, other):
@@ -36,8 +38,11 @@ def test_probes_train_measure_and_compare(prepared, tmp_path, capsys):
     assert other["set"][-2] == "train.lr=1e-2" and other["dev"]["blocks"]["4"] != base["dev"]["blocks"]["4"]
     # the sets are made once and shared: both probes saw the same sequences
     assert len([f for f in os.listdir(tmp_path / "_sets") if f.startswith(("dev-", "fit-"))]) == 2
-    again = recipe_probe.main(["run", "base", *common])  # trained already: measured again, the same
+    assert recipe_probe.main(["run", "base", *common]) == base  # measured already: its result
+    again = recipe_probe.main(["run", "base", *common, "--again"])  # trained already: measured again, the same
     assert again["dev"] == base["dev"] and again["fit"] == base["fit"]
+    with pytest.raises(SystemExit, match="was measured with other settings"):
+        recipe_probe.main(["run", "base", *common, "--set", "train.lr=1e-2"])
     capsys.readouterr()
     out = tmp_path / "table.json"
     rows = recipe_probe.main(["table", str(tmp_path / "base" / "probe.json"), str(tmp_path / "lr" / "probe.json"),
