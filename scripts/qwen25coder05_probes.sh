@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The recipe probes of the Qwen2.5-Coder-0.5B-Instruct drafter (docs/results.md, "The recipe, lever by
+# lever"): today's recipe (configs/qwen25coder05_probe.yaml, 400 steps) and one lever changed at a time, all
+# on one fixed snapshot of the first 16 shards (2,048 sequences) of its bfloat16-product data, each measured
+# on the same dev and fit sequences. Resumable at every level: rerunning the same command skips finished
+# probes, resumes the one that was interrupted (checkpoints, feature store) and continues the preparation.
+#   pip install -e '.[assets]' && bash scripts/qwen25coder05_probes.sh [NAME ...]   # all probes, or those named
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CONFIG=configs/qwen25coder05_probe.yaml
+DATA=runs/qwen25coder05_code_data_bf16
+SNAP=runs/probe_data_16
+# the model, the prompt sets and the data (all 32 shards, resumable), then a fixed copy of its first 16
+if [ ! -f "$SNAP/manifest.json" ]; then
+    bash scripts/qwen25coder05_prompts.sh
+    python train.py --config "$CONFIG" --stage prepare
+    python benchmarks/recipe_probe.py snapshot "$DATA" "$SNAP" --shards 16
+fi
+# NAME and its overrides, one probe a line (the baseline first: every other is compared with it)
+PROBES=(
+    "base"
+    "b8 drafter.block_size=8"
+    "b4 drafter.block_size=4"
+    "anchors64 train.num_anchors=64"
+    "uniform train.slot_weights=uniform"
+    "reach train.slot_weights=reach"
+    "expected train.slot_weights=expected_length"
+    "constant train.schedule=constant"
+    "lr3e-3 train.lr=3.0e-3"
+    "bias drafter.attention_bias=true"
+    "active drafter.init_mlp_neurons=active"
+    "norm drafter.init_final_norm=true drafter.init_fc=mean"
+    "buckets train.length_buckets=true"
+    "vocab16k drafter.draft_vocab=16384"
+    "layers3 drafter.num_layers=3 drafter.init_layers=[21,22,23]"
+    "wide drafter.intermediate_size=4864"
+)
+for line in "${PROBES[@]}"; do
+    read -r name overrides <<< "$line"
+    if [ $# -gt 0 ] && [[ ! " $* " =~ " $name " ]]; then continue; fi
+    sets=(--set "data.dir=$SNAP")
+    for o in $overrides; do sets+=(--set "$o"); done
+    python benchmarks/recipe_probe.py run "$name" --config "$CONFIG" "${sets[@]}"
+done
+python benchmarks/recipe_probe.py table runs/probes/*/probe.json --baseline base \
+    --out results/qwen2.5-coder-0.5b-instruct/probes.json
