@@ -151,18 +151,16 @@ def adaptive_weights(ce_baj, counted_baj, rule: str):
     from the cross-entropies of the labels (``p_k = exp(-ce_k)``, 0 where not ``counted``), without
     gradient. With ``P_k = p_1 ... p_k`` and ``S_k = P_k + ... + P_J``: reach ``w_k = P_{k-1}``
     (``w_1 = 1``); expected length ``w_k = S_k / S_1``, so that ``sum_k w_k ce_k`` has the gradient of
-    ``-log E[accepted length]`` (``E = S_1``; ``w_1 = 1``)."""
+    ``-log E[accepted length]`` (``E = S_1``; ``w_1 = 1``). ``S_k / S_1`` does not depend on ``p_1``: it is
+    computed as ``T_k / T_1`` with ``Q_k = p_2 ... p_k`` (``Q_1 = 1``) and ``T_k = Q_k + ... + Q_J``, which
+    no small ``p_1`` can underflow. A block whose first slot is not counted weighs nothing."""
     p = jnp.where(counted_baj, jnp.exp(-jax.lax.stop_gradient(ce_baj)), 0.0)
-    prefix = jnp.cumprod(p, axis=-1)  # P_k
     if rule == "reach":
-        return jnp.concatenate([jnp.ones_like(p[..., :1]), prefix[..., :-1]], axis=-1) * counted_baj
+        return jnp.concatenate([jnp.ones_like(p[..., :1]), jnp.cumprod(p, axis=-1)[..., :-1]], axis=-1) * counted_baj
     if rule == "expected_length":
-        tail = jnp.flip(jnp.cumsum(jnp.flip(prefix, -1), -1), -1)  # S_k
-        first = jnp.concatenate([jnp.ones_like(p[..., :1]), jnp.zeros_like(p[..., 1:])], axis=-1)
-        # E underflows to 0 when p_1 does: then slot 1 alone (the limit of S_k / S_1 as p_1 -> 0 with the
-        # rest fixed is 1 at k = 1 and p_1-small elsewhere)
-        w = jnp.where(tail[..., :1] > 1e-30, tail / jnp.maximum(tail[..., :1], 1e-30), first)
-        return w * counted_baj
+        q = jnp.cumprod(jnp.concatenate([jnp.ones_like(p[..., :1]), p[..., 1:]], axis=-1), axis=-1)  # Q_k
+        tail = jnp.flip(jnp.cumsum(jnp.flip(q, -1), -1), -1)  # T_k; T_1 >= 1
+        return tail / tail[..., :1] * counted_baj * counted_baj[..., :1]
     raise ValueError(f"adaptive slot weights are 'reach' or 'expected_length', got {rule!r}")
 
 

@@ -77,3 +77,15 @@ def test_constant_schedule_holds_the_peak_then_decays_linearly():
     assert float(cosine(50)) < 1e-3 * 0.75  # the default decays from the warm-up on
     with pytest.raises(ValueError, match="schedule must be one of"):
         lr_schedule(1e-3, 100, 0.02, "linear")
+
+
+def test_expected_length_weights_do_not_vanish_when_the_first_slot_is_unlikely():
+    """S_k / S_1 does not depend on p_1: a first slot far from its label (ce 80, p_1 underflows) leaves
+    the later slots' weights as they are at ce 60."""
+    counted = jnp.ones((1, 1, 4), bool)
+    far = adaptive_weights(jnp.asarray([[[80.0, 0.1, 0.1, 0.1]]]), counted, "expected_length")
+    near = adaptive_weights(jnp.asarray([[[60.0, 0.1, 0.1, 0.1]]]), counted, "expected_length")
+    np.testing.assert_allclose(far, near, rtol=1e-6)
+    assert float(far[0, 0, 3]) > 0.2
+    first_out = counted.at[0, 0, 0].set(False)
+    assert float(jnp.sum(adaptive_weights(jnp.zeros((1, 1, 4)), first_out, "expected_length"))) == 0.0
