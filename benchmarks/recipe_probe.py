@@ -94,7 +94,7 @@ def _digest(obj) -> str:
 
 def evaluation_sets(cfg, target, tokenizer, args) -> dict[str, dict]:
     """``{"dev": {...}, "fit": {...}}``: tokens and loss masks of both sets, kept in ``ROOT/_sets``."""
-    from retrace_jax.training.data import SequenceData, chat_encoder, iter_prompt_ids, read_prompts
+    from retrace_jax.training.data import SequenceData, chat_encoder, iter_prompt_ids, read_prompts, spread_indices
 
     stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     lines = _lines(args.dev_lines)
@@ -110,7 +110,7 @@ def evaluation_sets(cfg, target, tokenizer, args) -> dict[str, dict]:
         return {"tokens": tokens, "loss_mask": mask}
 
     data = SequenceData(cfg.data_dir, 1 << 30)
-    picked = np.unique(np.linspace(0, len(data) - 1, args.fit).round().astype(int))
+    picked = spread_indices(len(data), args.fit)
     fit_key = {"target": os.path.abspath(cfg.target), "data": os.path.abspath(cfg.data_dir), "picked": picked.tolist(),
                "new": new}
 

@@ -439,7 +439,12 @@ class SequenceData:
     def bucketed_order(self, seed: int, epoch: int, batch_size: int, group: int = BUCKET_GROUP) -> np.ndarray:
         """An epoch's order for length-bucketed batches: the epoch's permutation cut into groups of
         ``group`` batches, each group sorted by length and cut into batches, the batches shuffled; a pure
-        function of ``(seed, epoch)`` like the plain order, and every sequence once per epoch."""
+        function of ``(seed, epoch)`` like the plain order, and every sequence once per epoch (kept for the
+        epoch's later steps)."""
+        key = (seed, epoch, batch_size, group)
+        cached = getattr(self, "_bucketed", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
         rng = np.random.default_rng([seed, epoch, 1])
         perm = np.random.default_rng([seed, epoch]).permutation(len(self.tokens))
         lengths = np.array([min(len(t), self.seq_len) for t in self.tokens])
@@ -449,13 +454,18 @@ class SequenceData:
             chunk = perm[g : g + size]
             chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
             batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
-        return np.concatenate([batches[i] for i in rng.permutation(len(batches))])
+        order = np.concatenate([batches[i] for i in rng.permutation(len(batches))])
+        self._bucketed = (key, order)
+        return order
 
-    def width(self, idx) -> int:
-        """The padded length of a length-bucketed batch: its longest sequence rounded up to a multiple of
-        :data:`BUCKET_WIDTH` (at most ``seq_len``), so that only a few step shapes are compiled."""
+    def width(self, idx, block_size: int = 1, num_anchors: int = 1) -> int:
+        """The padded length of a length-bucketed batch: room for its longest sequence and a block anchored
+        at its last token (``longest + block_size - 1``, so every anchor a full-width batch would allow is
+        still there) and for ``num_anchors`` anchor candidates, rounded up to a multiple of
+        :data:`BUCKET_WIDTH`, at most ``seq_len``: only a few step shapes are compiled."""
         longest = max(min(len(self.tokens[i]), self.seq_len) for i in idx)
-        return min(self.seq_len, -(-longest // BUCKET_WIDTH) * BUCKET_WIDTH)
+        need = max(longest + block_size - 1, num_anchors + block_size - 1)
+        return min(self.seq_len, -(-need // BUCKET_WIDTH) * BUCKET_WIDTH)
 
     def rows(self, idx, width: int | None = None):
         """``tokens [len(idx), width]`` int32 (``width``: ``seq_len`` unless given), ``loss_mask`` and the
@@ -474,6 +484,13 @@ class SequenceData:
     def batch(self, step: int, batch_size: int, seed: int):
         """``tokens``, ``loss_mask`` and lengths of training step ``step``."""
         return self.rows(self.indices(step, batch_size, seed))
+
+
+def spread_indices(n: int, k: int) -> np.ndarray:
+    """Up to ``k`` distinct indices of ``0..n-1``, evenly spread from the first to the last (ascending)."""
+    if n <= 0 or k <= 0:
+        return np.zeros((0,), int)
+    return np.unique(np.linspace(0, n - 1, min(k, n)).round().astype(int))
 
 
 def iter_prompt_ids(prompts: Iterable[list[dict]], encode) -> list[list[int]]:

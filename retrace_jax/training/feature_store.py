@@ -122,12 +122,19 @@ class FeatureStore:
         return self
 
     def __getitem__(self, idx) -> np.ndarray:
+        return self.get(idx)
+
+    def get(self, idx, width: int | None = None) -> np.ndarray:
+        """``store[idx]``, ``[len(idx), width, F]`` (``width``: ``seq_len`` unless given; each sequence
+        cut to it)."""
         if self._array is None:
             if self.done < len(self.lengths):
                 raise RuntimeError(f"feature store {self.dir} is not finished ({self.done} of {len(self.lengths)})")
             self._array = np.load(os.path.join(self.dir, ARRAY), mmap_mode="r")
         idx = np.asarray(idx)
-        out = np.zeros((len(idx), self.seq_len, self.width), self.dtype)
+        width = self.seq_len if width is None else width
+        out = np.zeros((len(idx), width, self.width), self.dtype)
         for row, j in enumerate(idx):
-            out[row, : self.lengths[j]] = self._array[self.offsets[j]:self.offsets[j + 1]]
+            n = min(int(self.lengths[j]), width)
+            out[row, :n] = self._array[self.offsets[j]:self.offsets[j] + n]
         return out

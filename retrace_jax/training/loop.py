@@ -39,7 +39,7 @@ from retrace_jax.parallel.placement import shard_model
 from retrace_jax.parallel.sharding import batch_sharding, make_mesh
 from retrace_jax.training.checkpoints import Checkpoints
 from retrace_jax.training.config import TrainConfig, anchor_room, as_config
-from retrace_jax.training.data import SequenceData, describe_differences, settings_differences
+from retrace_jax.training.data import SequenceData, describe_differences, settings_differences, spread_indices
 from retrace_jax.training.evaluate import cached_features, evaluate, export_drafter
 from retrace_jax.training.lock import run_lock
 from retrace_jax.training.prepare import build_target, check_prepared
@@ -120,7 +120,7 @@ def build_drafter(cfg, target, mesh, data: SequenceData | None = None, log=None)
 def mlp_activity(target, data: SequenceData, layers, log=None, sequences: int = 32) -> list:
     """Each layer's mean |MLP activation| per neuron over ``sequences`` training sequences spread over the
     data (:meth:`TargetModel.mlp_activity`; every position of the sequences counts)."""
-    idx = np.unique(np.linspace(0, len(data) - 1, min(sequences, len(data))).round().astype(int))
+    idx = spread_indices(len(data), sequences)
     width = data.width(idx)
     tokens, _, lengths = data.rows(idx, width)
     valid = np.arange(width)[None, :] < lengths[:, None]
@@ -231,13 +231,14 @@ def _warning(log):
 
 
 def global_batch(data: SequenceData, step: int, batch_size: int, seed: int, mesh, features=None,
-                 bucketed: bool = False):
+                 bucketed: tuple[int, int] | None = None):
     """The arrays of batch ``step``, sharded over the data axes; each process fills only its own rows.
-    ``bucketed`` (``train.length_buckets``): batches of similar lengths, each as wide as it needs."""
+    ``bucketed`` (``train.length_buckets``: ``(block_size, num_anchors)``): batches of similar lengths,
+    each as wide as it needs (:meth:`SequenceData.width`)."""
     idx = data.indices(step, batch_size, seed, bucketed)
-    width = data.width(idx) if bucketed else None
+    width = data.width(idx, *bucketed) if bucketed else None
     tokens, mask, lengths = data.rows(idx, width)
-    host = [tokens, mask] + ([features[idx][:, : tokens.shape[1]]] if features is not None else [])
+    host = [tokens, mask] + ([features.get(idx, width)] if features is not None else [])
     arrays = [jax.make_array_from_callback(x.shape, batch_sharding(mesh, x.ndim), lambda i, x=x: x[i]) for x in host]
     return arrays, int(lengths.sum())
 
@@ -385,7 +386,8 @@ def _run(cfg: TrainConfig, setup: _Setup, eval_ids, ckpts, start, log) -> dict:
 
     try:
         while step < t.steps:
-            batch, tokens = global_batch(data, step, t.batch_size, t.seed, mesh, features, t.length_buckets)
+            bucketed = (drafter.cfg.block_size, t.num_anchors) if t.length_buckets else None
+            batch, tokens = global_batch(data, step, t.batch_size, t.seed, mesh, features, bucketed)
             drafter_state, opt_state, metrics = step_fn(target_state, drafter_state, opt_state, batch[0], batch[1],
                                                         jnp.int32(step), jnp.uint32(t.seed), *batch[2:])
             step += 1

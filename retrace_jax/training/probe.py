@@ -13,8 +13,8 @@ short training probes comparable lever by lever.
 Anchors are spread evenly over each response, each one with its whole block inside the response (a block
 that runs past the response's end would be cut short as a real generation's last round is, which would
 mix the generation length into the measure). Real decoding starts rounds where the previous round's
-acceptance leaves it, so its τ weights response positions a little differently; both are reported by
-``benchmarks/recipe_probe.py`` where it matters (the drafters that ship).
+acceptance leaves it, so its τ weights response positions a little differently: the drafters that ship
+are measured by real decoding (``benchmarks/speculative_eval.py``) as well.
 
 Shape letters as elsewhere (``retrace_jax/attention/``): ``B`` sequences, ``S`` positions, ``A`` anchors,
 ``W`` block slots, ``J = W - 1`` drafted slots, ``F`` feature width.
@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from retrace_jax.models.draft_vocab import draft_head
+from retrace_jax.training.data import spread_indices
 from retrace_jax.training.dflash_loss import build_blocks, draft_blocks, score_blocks, sequence_context
 
 
@@ -50,7 +51,7 @@ def acceptance_anchors(loss_mask_bs: np.ndarray, block_size: int, max_anchors: i
         whole = starts[run[row, starts + block_size] - run[row, starts] == block_size]
         if len(whole) == 0:
             continue
-        pick = whole[np.unique(np.linspace(0, len(whole) - 1, min(max_anchors, len(whole))).round().astype(int))]
+        pick = whole[spread_indices(len(whole), max_anchors)]
         anchors[row, : len(pick)] = pick
         valid[row, : len(pick)] = True
     return anchors, valid

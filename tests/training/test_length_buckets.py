@@ -40,3 +40,13 @@ def test_bucketed_epochs_hold_every_sequence_once_in_batches_of_similar_length(t
     assert all(np.array_equal(a, data.indices(s, batch, seed=3, bucketed=True)) for s, a in enumerate(idx))
     assert not np.array_equal(idx[0], data.indices(0, batch, seed=4, bucketed=True))
     assert os.path.exists(tmp_path / "manifest.json")
+
+
+def test_a_bucket_leaves_room_for_the_last_anchors_block_and_for_every_anchor(tmp_path):
+    """A batch's width keeps every anchor a full-width batch allows (a block at the longest sequence's
+    last token) and at least num_anchors candidates."""
+    data = _data(tmp_path, [120, 60, 127])
+    assert data.width([0, 1]) == 128
+    assert data.width([0, 1], block_size=16) == 256  # 120 + 15 > 128
+    assert data.width([1], block_size=4, num_anchors=200) == 256  # top_k needs 200 candidates
+    assert data.width([2], block_size=16, num_anchors=2000) == 600  # never past seq_len
