@@ -6,7 +6,7 @@ well it fits, lever by lever.
     python benchmarks/recipe_probe.py run b8 --config configs/qwen25coder05_probe.yaml --set drafter.block_size=8
     python benchmarks/recipe_probe.py table runs/probes/base/probe.json runs/probes/b8/probe.json --baseline base
     # probes while the data is still being prepared: all on one fixed snapshot of its first shards
-    python benchmarks/recipe_probe.py snapshot runs/qwen25coder05_code_data_bf16 runs/probe_data_16 --shards 16
+    python benchmarks/recipe_probe.py snapshot runs/qwen25coder05_code_data_bf16 runs/probe_data_8 --shards 8
 
 ``run NAME`` trains into ``ROOT/NAME`` (``train.py --stage train``: the prepared data of the configuration,
 resumed exactly when rerun), then measures its drafter on two sets of sequences, each a prompt and the

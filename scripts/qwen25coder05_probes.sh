@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # The recipe probes of the Qwen2.5-Coder-0.5B-Instruct drafter (docs/results.md, "The recipe, lever by
-# lever"): today's recipe (configs/qwen25coder05_probe.yaml, 400 steps) and one lever changed at a time, all
-# on one fixed snapshot of the first 16 shards (2,048 sequences) of its bfloat16-product data, each measured
-# on the same dev and fit sequences. Resumable at every level: rerunning the same command skips finished
+# lever"): today's recipe (configs/qwen25coder05_probe.yaml) at a quarter of its scale, 400 steps over one
+# fixed snapshot of the first 8 shards (1,024 sequences) of its bfloat16-product data, the same 6.25 passes
+# over the data as the shipped drafter's 1,600 steps over 4,096, and one lever changed at a time; each probe
+# measured on the same dev and fit sequences. Resumable at every level: rerunning the same command skips finished
 # probes, resumes the one that was interrupted (checkpoints, feature store) and continues the preparation.
 #   pip install -e '.[assets]' && bash scripts/qwen25coder05_probes.sh [NAME ...]   # all probes, or those named
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=configs/qwen25coder05_probe.yaml
 DATA=runs/qwen25coder05_code_data_bf16
-SNAP=runs/probe_data_16
-# the model, the prompt sets and the data (all 32 shards, resumable), then a fixed copy of its first 16
+SNAP=runs/probe_data_8
+# the model, the prompt sets and the data (all 32 shards, resumable), then a fixed copy of its first 8
 if [ ! -f "$SNAP/manifest.json" ]; then
     bash scripts/qwen25coder05_prompts.sh
     python train.py --config "$CONFIG" --stage prepare
-    python benchmarks/recipe_probe.py snapshot "$DATA" "$SNAP" --shards 16
+    python benchmarks/recipe_probe.py snapshot "$DATA" "$SNAP" --shards 8
 fi
 # NAME and its overrides, one probe a line (the baseline first: every other is compared with it)
 PROBES=(
