@@ -203,15 +203,29 @@ def run(args) -> dict:
     sets_args = list(args.set) + [f"out={out_dir}"]
     cfg = load_config(args.config, sets_args)
     result_path = os.path.join(out_dir, "probe.json")
-    if os.path.exists(result_path) and not args.again:  # measured already: the table of that result
-        with open(result_path) as f:
-            result = json.load(f)
-        if result.get("set") == list(args.set) and result.get("dev_lines") == args.dev_lines:
+    settings_path = os.path.join(out_dir, "probe_settings.json")
+    settings = {"config": os.path.relpath(os.path.abspath(args.config), ROOT), "set": list(args.set)}
+    if os.path.exists(settings_path):
+        with open(settings_path) as f:
+            saved = json.load(f)
+        if args.again:  # train and measure anew: what the earlier probe left goes
+            import shutil
+
+            for name in ("drafter", "drafter.versions", "checkpoints", "tensorboard"):
+                shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+            for name in ("metrics.jsonl", "probe.json", "probe_settings.json"):
+                if os.path.exists(os.path.join(out_dir, name)):
+                    os.remove(os.path.join(out_dir, name))
+        elif saved != settings:
+            raise SystemExit(f"{out_dir} holds the probe of {saved['config']} with {saved['set']}; use another NAME, "
+                             f"or --again to train and measure anew")
+        elif os.path.exists(result_path):  # measured already: the table of that result
+            with open(result_path) as f:
+                result = json.load(f)
             write_json(result, args.out)
             print_table([result], args.name)
             return result
-        raise SystemExit(f"{result_path} was measured with other settings ({result.get('set')}); use another "
-                         f"NAME, or --again to train and measure anew")
+    write_json(settings, settings_path)
     start = time.perf_counter()
     if not os.path.exists(os.path.join(out_dir, "drafter")):
         train_cli.main(["--config", args.config, "--stage", "train"] + [x for s in sets_args for x in ("--set", s)])
@@ -288,7 +302,8 @@ def print_table(results: list[dict], baseline: str) -> list[dict]:
                 continue
             ratio = paired_ratio(np.asarray(d["tau_per_sequence"]), np.asarray(bd["tau_per_sequence"]))
             row[f"ratio@{b}"] = ratio
-            cells.append(f"{ratio['ratio']:.3f} [{ratio['low']:.3f}, {ratio['high']:.3f}]")
+            cells.append(f"{ratio['ratio']:.3f} [{ratio['low']:.3f}, {ratio['high']:.3f}]" if ratio["prompts"] else
+                         "no sequence with a block")
         d, f = r["dev"]["blocks"].get(str(blocks[-1])), r["fit"]["blocks"].get(str(blocks[-1]))
         cells.append(" / ".join(f"{x:.2f}" for x in d["slot_acceptance"][:4]) if d else "")
         cells.append(f"{f['tau']:.3f}" if f else "")

@@ -28,7 +28,7 @@ from flax import nnx  # noqa: E402
 import retrace_jax as rj  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
 from retrace_jax.training.data import chat_encoder, iter_prompt_ids, load_tokenizer, read_prompts  # noqa: E402
-from retrace_jax.models.layers import bfloat16_kernels  # noqa: E402
+from retrace_jax.models.layers import bfloat16_kernels, product_precision  # noqa: E402
 from retrace_jax.training.dflash_loss import target_features  # noqa: E402
 
 PRECISIONS = ("float32", "bfloat16")
@@ -67,13 +67,13 @@ def main(argv=None):
     features = jax.jit(lambda st, tokens: target_features(nnx.merge(graphdef, st), tokens, layers))
 
     def regenerate(precision):
-        with jax.default_matmul_precision(precision):
+        with product_precision(precision):
             start = time.perf_counter()
             out = rj.generate(models[precision], ids, args.max_new_tokens, stop_token_ids=stops)
             return out.tokens, time.perf_counter() - start
 
     def feature_pass(precision, tokens):
-        with jax.default_matmul_precision(precision):
+        with product_precision(precision):
             start = time.perf_counter()
             f = jax.block_until_ready(features(states[precision], tokens))
             return f, time.perf_counter() - start

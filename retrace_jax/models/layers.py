@@ -3,6 +3,7 @@ decoder block serve both (shape letters: see ``retrace_jax/attention/``)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable
 
@@ -39,6 +40,18 @@ def products(lhs, rhs, dimension_numbers, precision=None, preferred_element_type
                                    precision=precision, preferred_element_type=jnp.float32, **kwargs)
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type, **kwargs)
+
+
+def product_precision(precision: str):
+    """The context in which a target computes with ``precision`` products (``target_precision``):
+    ``jax.default_matmul_precision("bfloat16")`` for ``"bfloat16"``, JAX's own default (no context) for
+    ``"float32"``. On a CPU the bfloat16 setting rounds the dense layers' products (:func:`products`);
+    on a GPU or TPU it applies to every product (attention included), as XLA applies it there."""
+    if precision == "bfloat16":
+        return jax.default_matmul_precision("bfloat16")
+    if precision != "float32":
+        raise ValueError(f"precision must be float32 or bfloat16, got {precision!r}")
+    return contextlib.nullcontext()
 
 
 def bfloat16_kernels(module):

@@ -103,8 +103,8 @@ class TargetModel(nnx.Module):
             x = self.embed(tokens_bs)
         else:
             x = self(tokens_bs, self.init_cache(b, s), feature_layers=(layer - 1,), attention="chunked").features
-        graphdef, _ = nnx.split(self.layers)
-        block = nnx.merge(graphdef, self.layer_slices()[layer])
+        graphdef, params = nnx.split(self.layers)
+        block = nnx.merge(graphdef, jax.tree.map(lambda a: layer_of(a, layer), params))
         positions = jnp.broadcast_to(jnp.arange(s), (b, s))
         mask = jnp.tril(jnp.ones((s, s), bool))[None] & valid_bs[:, None, :].astype(bool)
 

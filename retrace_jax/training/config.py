@@ -283,9 +283,10 @@ class TrainConfig(Section):
     target_dtype: Literal[TARGET_DTYPES] = doc("float32, bfloat16 or float16", "float32")
     target_precision: Literal[PRECISIONS] = doc(
         "the float32 target's matrix products when it regenerates the data and fills the feature store: float32, "
-        "or bfloat16 (bfloat16 operands, float32 accumulation, as jax.default_matmul_precision('bfloat16'); 2-3x "
-        "faster batched on CPUs with AVX-512 BF16; greedy responses can differ from float32's at near-ties: "
-        "benchmarks/regen_throughput.py counts them). Inside a training step the target computes in float32",
+        "or bfloat16 (bfloat16 operands, float32 accumulation: jax.default_matmul_precision('bfloat16'), which on "
+        "a CPU rounds the dense layers' products, faster batched on CPUs with AVX-512 BF16, and on a GPU or TPU "
+        "every product; greedy responses can differ from float32's at near-ties: benchmarks/regen_throughput.py "
+        "counts them). Inside a training step the target computes at JAX's default",
         "float32")
     out: Path = doc("metrics.jsonl, tensorboard/, checkpoints/, drafter/ (the exported drafter), data/",
                     "runs/default")

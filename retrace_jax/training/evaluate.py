@@ -18,7 +18,7 @@ from retrace_jax.decoding.generation import generate
 from retrace_jax.errors import ConfigError
 from retrace_jax.io.atomic import write_error
 from retrace_jax.io.checkpoints import save_drafter
-from retrace_jax.models.layers import bfloat16_kernels
+from retrace_jax.models.layers import bfloat16_kernels, product_precision
 from retrace_jax.parallel.distributed import barrier
 from retrace_jax.training.data import SequenceData
 from retrace_jax.training.dflash_loss import target_features
@@ -84,7 +84,7 @@ def cached_features(target, layer_ids, data: SequenceData, batch_size: int, log,
     fn = jax.jit(lambda st, tokens: target_features(nnx.merge(graphdef, st), tokens, tuple(layer_ids)))
 
     def features_of(tokens):
-        with jax.default_matmul_precision(precision):
+        with product_precision(precision):
             return jax.device_get(fn(state, tokens))
 
     return store.build(features_of, lambda idx: data.rows(idx)[0], batch_size, log)

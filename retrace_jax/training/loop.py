@@ -165,6 +165,8 @@ def run_settings(cfg: TrainConfig, drafter, num_sequences: int) -> dict:
         "correction_source": t.correction_source, "beta_warmup_steps": t.beta_warmup_steps,
         "compute_dtype": t.compute_dtype, "memory_dtype": t.memory_dtype, "block_size": drafter_cfg.block_size,
         "slot_weights": t.slot_weights, "schedule": t.schedule, "length_buckets": t.length_buckets,
+        # the features' products: the store's follow target_precision, the step's are JAX's default
+        "feature_precision": cfg.target_precision if t.feature_cache else "float32",
         "decay_frac": t.decay_frac if t.schedule == "constant" else None,
         "num_layers": drafter_cfg.num_layers, "intermediate_size": drafter_cfg.intermediate_size,
         "attention_bias": drafter_cfg.attention_bias,

@@ -23,7 +23,7 @@ from retrace_jax.decoding.generation import generate
 from retrace_jax.io.checkpoints import load_drafter, load_target
 from retrace_jax.io.digest import file_sha256
 from retrace_jax.models.config import read_config_json
-from retrace_jax.models.layers import bfloat16_kernels
+from retrace_jax.models.layers import bfloat16_kernels, product_precision
 from retrace_jax.models.tiny import TINY_QWEN3, tiny_target
 from retrace_jax.parallel.distributed import barrier
 from retrace_jax.parallel.placement import shard_model
@@ -170,7 +170,7 @@ def _prepare(cfg: TrainConfig, log) -> str:
         tokens = [None] * len(chunk)
         for i in range(0, len(chunk), d.gen_batch_size):
             rows = order[i : i + d.gen_batch_size]
-            with jax.default_matmul_precision(cfg.target_precision):
+            with product_precision(cfg.target_precision):
                 res = generate(target, [chunk[j] for j in rows], d.max_new_tokens, drafter=drafter,
                                temperature=d.temperature, stop_token_ids=stops, seed=first_index + i)
             for j, new in zip(rows, res.tokens):
