@@ -164,6 +164,9 @@ class ShapeKeys(HFKeys):
         )
 
 
+
+DEFAULT_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config and Qwen3Config, when a config.json has none
+
 class TargetKeys(ShapeKeys):
     """A target's ``config.json``."""
 
@@ -192,11 +195,11 @@ class TargetKeys(ShapeKeys):
                 problems.append(f"layer_types[{other[0]}]: {short_repr(self.layer_types[other[0]])} is not "
                                 f"implemented for a target; retrace-jax implements 'full_attention'{more}")
         elif self.use_sliding_window and self.sliding_window is not None:
-            # transformers' Qwen2/Qwen3: layers from max_window_layers on slide (absent: taken as 0 here)
-            first = self.max_window_layers or 0
+            # transformers' Qwen2/Qwen3: layers from max_window_layers on slide (absent: their default, 28)
+            first = DEFAULT_MAX_WINDOW_LAYERS if self.max_window_layers is None else self.max_window_layers
             if first < layers:
                 given = (f"from max_window_layers {first}" if self.max_window_layers is not None
-                         else "max_window_layers not given")
+                         else f"max_window_layers not given: transformers' default {DEFAULT_MAX_WINDOW_LAYERS}")
                 problems.append(f"use_sliding_window: true with sliding_window {self.sliding_window} makes layers "
                                 f"{first}..{layers - 1} ({given}) sliding-window layers, which are not implemented "
                                 f"for a target (set use_sliding_window to false for full attention)")

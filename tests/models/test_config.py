@@ -78,9 +78,10 @@ UNIMPLEMENTED_TARGET_CASES = {
         dict(use_sliding_window=True, sliding_window=64, max_window_layers=2),
         r"use_sliding_window: true with sliding_window 64 makes layers 2\.\.3 \(from max_window_layers 2\) "
         r"sliding-window layers, which are not implemented for a target"),
-    "a sliding window without max_window_layers": (
-        dict(use_sliding_window=True, sliding_window=64),
-        r"use_sliding_window: true with sliding_window 64 makes layers 0\.\.3"),
+    "a sliding window without max_window_layers past transformers' default": (
+        dict(use_sliding_window=True, sliding_window=64, num_hidden_layers=30),
+        r"use_sliding_window: true with sliding_window 64 makes layers 28\.\.29 \(max_window_layers not given: "
+        r"transformers' default 28\)"),
     "use_sliding_window as a string": (dict(use_sliding_window="false"),
                                        r"use_sliding_window: expected true or false, got 'false'"),
 }
@@ -126,8 +127,9 @@ SMOLLM2 = {  # HuggingFaceTB/SmolLM2-135M-Instruct's
     _with(TARGET, use_sliding_window=True, sliding_window=64, max_window_layers=4),  # no layer from 4 on
     _with(TARGET, use_sliding_window=True, sliding_window=None, max_window_layers=0),  # no window to slide
     _with(TARGET, use_sliding_window=True, sliding_window=64, layer_types=["full_attention"] * 4),
+    _with(TARGET, use_sliding_window=True, sliding_window=64),  # transformers' default max_window_layers, 28
 ], ids=["qwen2.5-coder", "qwen3", "smollm2", "ours", "swish", "whole rotary", "full layer types", "no layer past",
-        "no window", "explicit full layers"])
+        "no window", "explicit full layers", "default max_window_layers"])
 def test_keys_at_values_that_keep_the_maths_load(hf):
     """Real configs ship the sliding-window keys switched off (Qwen2: sliding_window 32768 beside
     use_sliding_window false, as transformers reads it: no window); such values load."""
