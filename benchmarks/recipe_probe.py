@@ -126,22 +126,11 @@ def evaluation_sets(cfg, target, tokenizer, args) -> dict[str, dict]:
 
 def features_of(target, tokens, layer_ids, root: str, key: dict, batch_size: int = 8):
     """The target's float32 features ``[N, S, F]`` at ``layer_ids`` for ``tokens``, kept in ``root``."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from retrace_jax.training.dflash_loss import target_features
+    from retrace_jax.training.dflash_loss import features_fn
+    from retrace_jax.training.probe import in_padded_batches
 
     def build():
-        graphdef, state = nnx.split(target)
-        fn = jax.jit(lambda st, t: target_features(nnx.merge(graphdef, st), t, tuple(layer_ids)))
-        parts = []
-        for i in range(0, len(tokens), batch_size):
-            chunk = tokens[i : i + batch_size]
-            pad = batch_size - len(chunk)
-            x = np.concatenate([chunk, np.zeros((pad, chunk.shape[1]), chunk.dtype)]) if pad else chunk
-            parts.append(np.asarray(jax.device_get(fn(state, jnp.asarray(x))))[: len(chunk)])
-        return {"features": np.concatenate(parts)}
+        return {"features": in_padded_batches(features_fn(target, layer_ids), (tokens,), batch_size)}
 
     return cached(os.path.join(root, f"features-{_digest(key)}.npz"), build)["features"]
 

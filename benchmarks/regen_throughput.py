@@ -23,13 +23,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
 
 import retrace_jax as rj  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
 from retrace_jax.training.data import chat_encoder, iter_prompt_ids, load_tokenizer, read_prompts  # noqa: E402
 from retrace_jax.models.layers import bfloat16_kernels, product_precision  # noqa: E402
-from retrace_jax.training.dflash_loss import target_features  # noqa: E402
+from retrace_jax.training.dflash_loss import features_fn  # noqa: E402
 
 PRECISIONS = ("float32", "bfloat16")
 
@@ -62,9 +61,7 @@ def main(argv=None):
     stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     # as train.py runs them: bfloat16 products from kernels rounded once (bfloat16_kernels)
     models = {"float32": target, "bfloat16": bfloat16_kernels(target)}
-    graphdef, _ = nnx.split(target)
-    states = {pr: nnx.split(m)[1] for pr, m in models.items()}
-    features = jax.jit(lambda st, tokens: target_features(nnx.merge(graphdef, st), tokens, layers))
+    features = {pr: features_fn(m, layers) for pr, m in models.items()}
 
     def regenerate(precision):
         with product_precision(precision):
@@ -75,7 +72,7 @@ def main(argv=None):
     def feature_pass(precision, tokens):
         with product_precision(precision):
             start = time.perf_counter()
-            f = jax.block_until_ready(features(states[precision], tokens))
+            f = jax.block_until_ready(features[precision](tokens))
             return f, time.perf_counter() - start
 
     responses = {pr: regenerate(pr)[0] for pr in PRECISIONS}  # compiles

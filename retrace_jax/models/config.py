@@ -164,8 +164,8 @@ class ShapeKeys(HFKeys):
         )
 
 
-
 DEFAULT_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config and Qwen3Config, when a config.json has none
+
 
 class TargetKeys(ShapeKeys):
     """A target's ``config.json``."""

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from retrace_jax.models.draft_vocab import DraftHead, draft_head, head_logits, to_draft_index, to_target_ids
 from retrace_jax.models.drafter import DFlashDrafter
@@ -110,6 +111,14 @@ def target_features(target: TargetModel, tokens_bs, layer_ids):
     b, s = tokens_bs.shape
     out = target(tokens_bs, target.init_cache(b, s), feature_layers=tuple(layer_ids))
     return batch_sharded(jax.lax.stop_gradient(out.features))
+
+
+def features_fn(target: TargetModel, layer_ids):
+    """A jitted ``tokens [B, S] -> features [B, S, F]`` of the frozen ``target`` (:func:`target_features`),
+    its weights an argument of the program rather than constants compiled into it."""
+    graphdef, state = nnx.split(target)
+    fn = jax.jit(lambda st, tokens: target_features(nnx.merge(graphdef, st), tokens, tuple(layer_ids)))
+    return lambda tokens_bs: fn(state, tokens_bs)
 
 
 def sequence_context(drafter: DFlashDrafter, features_bsf):

@@ -21,7 +21,7 @@ from retrace_jax.io.checkpoints import save_drafter
 from retrace_jax.models.layers import bfloat16_kernels, product_precision
 from retrace_jax.parallel.distributed import barrier
 from retrace_jax.training.data import SequenceData
-from retrace_jax.training.dflash_loss import target_features
+from retrace_jax.training.dflash_loss import features_fn
 from retrace_jax.training.feature_store import FeatureStore, store_key
 
 
@@ -80,12 +80,11 @@ def cached_features(target, layer_ids, data: SequenceData, batch_size: int, log,
         if not os.path.exists(store.dir) and store.nbytes > free:
             raise ConfigError(f"train.feature_cache needs {store.nbytes / 2**30:.1f} GiB in {store_root}, "
                                      f"which has {free / 2**30:.1f} GiB free; compute features online instead")
-    graphdef, state = nnx.split(bfloat16_kernels(target) if precision == "bfloat16" else target)
-    fn = jax.jit(lambda st, tokens: target_features(nnx.merge(graphdef, st), tokens, tuple(layer_ids)))
+    fn = features_fn(bfloat16_kernels(target) if precision == "bfloat16" else target, layer_ids)
 
     def features_of(tokens):
         with product_precision(precision):
-            return jax.device_get(fn(state, tokens))
+            return jax.device_get(fn(tokens))
 
     return store.build(features_of, lambda idx: data.rows(idx)[0], batch_size, log)
 

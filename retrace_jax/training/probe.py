@@ -95,6 +95,24 @@ def acceptance_stats(correct_baj: np.ndarray, valid_ba: np.ndarray) -> Acceptanc
     return Acceptance(tau, counted, slot, reached)
 
 
+def in_padded_batches(fn, arrays, batch_size: int) -> np.ndarray:
+    """``fn(*batch)`` over ``arrays`` (each ``[N, ...]``) ``batch_size`` rows at a time, every batch of one
+    shape (the last one padded with zero rows, so one program serves all), the results concatenated
+    (``[N, ...]`` on the host)."""
+    n = len(arrays[0])
+    parts = []
+    for i in range(0, n, batch_size):
+        rows = min(batch_size, n - i)
+
+        def padded(x):
+            x = np.asarray(x[i : i + rows])
+            pad = batch_size - rows
+            return np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)]) if pad else x
+
+        parts.append(np.asarray(jax.device_get(fn(*(jnp.asarray(padded(x)) for x in arrays))))[:rows])
+    return np.concatenate(parts)
+
+
 def teacher_forced_acceptance(drafter, target, tokens_bs, loss_mask_bs, features_bsf, block_size: int,
                               max_anchors: int, batch_size: int = 8) -> Acceptance:
     """:func:`acceptance_stats` of the blocks at up to ``max_anchors`` anchors per sequence
@@ -102,18 +120,7 @@ def teacher_forced_acceptance(drafter, target, tokens_bs, loss_mask_bs, features
     target's features at the drafter's layers for every position (``[B, S, F]``, host or device)."""
     tokens_bs, loss_mask_bs = np.asarray(tokens_bs, np.int32), np.asarray(loss_mask_bs, np.int32)
     anchors, valid = acceptance_anchors(loss_mask_bs, block_size, max_anchors)
-    parts = []
-    for i in range(0, len(tokens_bs), batch_size):
-        sl = slice(i, i + batch_size)
-        rows = len(tokens_bs[sl])
-        pad = batch_size - rows  # one compiled shape for every batch, the last one padded with empty rows
-
-        def padded(x):
-            x = np.asarray(x)
-            return np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)]) if pad else x
-
-        c = block_acceptance(drafter, target, jnp.asarray(padded(tokens_bs[sl])), jnp.asarray(padded(loss_mask_bs[sl])),
-                             jnp.asarray(padded(features_bsf[sl])), jnp.asarray(padded(anchors[sl])),
-                             jnp.asarray(padded(valid[sl])), block_size)
-        parts.append(np.asarray(jax.device_get(c))[:rows])
-    return acceptance_stats(np.concatenate(parts), valid)
+    correct = in_padded_batches(
+        lambda *batch: block_acceptance(drafter, target, *batch, block_size),
+        (tokens_bs, loss_mask_bs, features_bsf, anchors, valid), batch_size)
+    return acceptance_stats(correct, valid)
