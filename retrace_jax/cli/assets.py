@@ -91,6 +91,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=assets.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("assets", nargs="+", choices=sorted(MODELS) + sorted(DATASETS))
     p.add_argument("--cache", default=DEFAULT_CACHE, help="model directory (prompt sets go to its ../data)")
+    p.add_argument("--keep-gguf", action="store_true", help="keep a model's GGUF file after its conversion "
+                   "(removed by default: nothing reads it later but scripts/real_parity.py)")
     args = p.parse_args(argv)
     for name in args.assets:
-        (fetch if name in MODELS else fetch_dataset)(name, args.cache)
+        if name in MODELS:
+            fetch(name, args.cache, keep_gguf=args.keep_gguf)
+        else:
+            fetch_dataset(name, args.cache)

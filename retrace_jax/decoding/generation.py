@@ -120,9 +120,10 @@ def generate(
     ``layer_loop`` runs the target's layers with one ``lax.scan`` ("scan": compile time independent of
     depth) or as a Python loop over per-layer weights ("unrolled": faster steps on CPU, where a scan
     copies each layer's weights at every step; compile time grows with depth); "auto" is "unrolled" on
-    CPU and "scan" on accelerators. The unrolled loop's per-layer copy of the target's layer weights is
-    made on the first call and kept while the target lives (twice the layer weights in memory, and a
-    tied LM head once more; see ``retrace_jax.decoding.layer_loop.decode_weights``).
+    CPU and "scan" on accelerators. The unrolled loop's per-layer weights are made on the first call and
+    kept while the target lives: on one CPU device views of the stacked arrays' memory, elsewhere a copy
+    (twice the layer weights in memory), and a tied LM head once more as a copy; see
+    ``retrace_jax.decoding.layer_loop.decode_weights``.
 
     The KV caches of a call are kept for the next call of the same sizes (those of the last four
     distinct sizes and methods; ``rj.clear_decode_buffers()`` frees them), so that a call does not

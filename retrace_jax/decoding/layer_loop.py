@@ -1,6 +1,7 @@
 """How the decode programs run the target's layers: one ``lax.scan`` over the stacked blocks, or an
-unrolled Python loop over per-layer copies of their weights that are made once and kept beside the
-target (with the LM head laid out for the CPU's matrix products)."""
+unrolled Python loop over per-layer weights that are made once and kept beside the target (on one CPU
+device, views of the stacked arrays' memory; else copies), with the LM head laid out for the CPU's matrix
+products."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import weakref
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from retrace_jax.models.target import TargetModel
@@ -17,9 +19,10 @@ LAYER_LOOPS = ("auto", "scan", "unrolled")
 
 @struct.dataclass
 class DecodeWeights:
-    """Copies of the target's weights that an unrolled decode program reads instead of the stacked ones.
+    """The target's weights as an unrolled decode program reads them instead of the stacked ones.
 
-    ``layers``: one parameter pytree per layer (:meth:`TargetModel.layer_slices`). ``head_dv``: a tied
+    ``layers``: one parameter pytree per layer: views of the stacked arrays' memory on one CPU device,
+    else copies (:meth:`TargetModel.layer_slices`). ``head_dv``: a tied
     LM head as ``[d, V]`` (None for an untied head, whose kernel is ``[d, V]`` already). XLA's CPU
     backend multiplies several rows by a ``[V, d]`` matrix contracted on ``d`` several times more slowly
     than by the same matrix laid out ``[d, V]`` (``benchmarks/lm_head.py``), and a verify pass or a drafted
@@ -55,12 +58,14 @@ _KEPT = weakref.WeakKeyDictionary()  # target -> (the arrays the copies were mad
 
 def decode_weights(target: TargetModel, layer_loop: str = "auto", state: nnx.State | None = None) -> DecodeWeights | None:
     """The weights an unrolled program reads (``None`` for a scan), made once and kept beside the target
-    while it lives: a second copy of the layer weights, which an unrolled program would otherwise slice
+    while it lives: the layer weights one array per layer, which an unrolled program would otherwise slice
     out at every call (one copy of the weights per call, and one compiled slice per layer and weight,
     which adds much compile time to a deep model; docs/performance.md measures it), and a tied head's
-    ``[d, V]`` copy. The copies are remade when the target's arrays change (JAX arrays are immutable, so
-    new weights are new arrays). ``state``: the target's ``nnx.state``, when the caller has it already
-    (it saves walking the target's graph once more)."""
+    ``[d, V]`` copy. On one CPU device the per-layer arrays are views of the stacked arrays' memory
+    (:func:`_layer_views`), elsewhere a second copy of the layer weights. They are remade when the
+    target's arrays change (JAX arrays are immutable, so new weights are new arrays). ``state``: the
+    target's ``nnx.state``, when the caller has it already (it saves walking the target's graph once
+    more)."""
     if resolve_layer_loop(layer_loop) != "unrolled":
         return None
     state = nnx.state(target) if state is None else state
@@ -71,9 +76,39 @@ def decode_weights(target: TargetModel, layer_loop: str = "auto", state: nnx.Sta
     kept = _KEPT.get(target)
     if kept is not None and len(kept[0]) == len(leaves) and all(a is b for a, b in zip(kept[0], leaves)):
         return kept[1]
-    weights = DecodeWeights(target.layer_slices(), _transposed(leaves[-1]) if tied else None)
+    layers = _layer_views(target) or target.layer_slices()
+    weights = DecodeWeights(layers, _transposed(leaves[-1]) if tied else None)
     _KEPT[target] = (tuple(leaves), weights)
     return weights
+
+
+def _layer_views(target: TargetModel) -> list | None:
+    """The stacked blocks' parameters as one pytree per layer whose arrays share the stacked arrays' memory
+    (no second copy of the layer weights: 1.41 GB for Qwen2.5-Coder-0.5B in float32), where every stacked
+    array lies whole in one CPU device's memory; else None (sharded or accelerator arrays: the copies of
+    :meth:`TargetModel.layer_slices`). A program reads such a view as it reads a copy, so decoding is as
+    fast. JAX keeps the stacked arrays' memory while a view of it lives, and never writes into it (a
+    program given a view to donate copies it instead)."""
+    _, params = nnx.split(target.layers)
+    leaves = jax.tree.leaves(params)
+    if not leaves or not all(_on_one_cpu(a) for a in leaves):
+        return None
+    hosts = [np.asarray(a) for a in leaves]  # the arrays' own memory, read-only (no copy on a CPU)
+    if not all(h.flags.c_contiguous for h in hosts):
+        return None
+    # committed to a device where the stacked arrays are (a program's outputs follow its inputs, and a
+    # committed cache in the next call would compile the program again), else on the default device
+    devices = [next(iter(a.devices())) if a.committed else None for a in leaves]
+    treedef = jax.tree.structure(params)
+    return [jax.tree.unflatten(treedef, [jax.device_put(h[i], d, may_alias=True) for h, d in zip(hosts, devices)])
+            for i in range(target.cfg.num_layers)]
+
+
+def _on_one_cpu(array) -> bool:
+    if not isinstance(array, jax.Array) or isinstance(array, jax.core.Tracer) or array.is_deleted():
+        return False
+    devices = array.devices()
+    return len(devices) == 1 and next(iter(devices)).platform == "cpu" and array.is_fully_addressable
 
 
 @jax.jit

@@ -124,7 +124,8 @@ class TargetModel(nnx.Module):
 
         A scan slices each layer's weights out of the stacked arrays at every step, and on CPU that slice
         is a copy, which made batch-1 decoding of SmolLM2-135M (memory-bound) 1.6x slower; the unrolled
-        loop avoids it at the price of a second copy of the layer weights and an XLA compile time that
+        loop avoids it at the price of per-layer arrays (views of the stacked ones' memory on one CPU
+        device, else a second copy of the layer weights) and an XLA compile time that
         grows with depth (JAX traces the block once: see :meth:`run_layers`).
         ``generate(layer_loop="unrolled")`` uses it with the copies that
         :func:`~retrace_jax.decoding.layer_loop.decode_weights` keeps beside the target, so that its
