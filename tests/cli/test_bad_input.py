@@ -330,7 +330,7 @@ def test_assets_raise_value_error_not_system_exit(call, pattern):
 
 
 def test_fetch_assets_prints_one_line(monkeypatch, capsys):
-    def fail(name, cache):
+    def fail(name, cache, keep_gguf=False):
         raise ValueError(f"[{name}] sha256 mismatch: got 0, expected 1")
 
     monkeypatch.setattr(cli_assets, "fetch", fail)
@@ -388,11 +388,11 @@ def test_decode_prints_a_bad_drafter_config_as_one_line(tmp_path, capsys, monkey
 
 
 @pytest.mark.parametrize("target, line", [
-    ("smollm3", "error: target directory not found: smollm3 (nor a named target: tiny, lab, "
+    ("smollm3", "error: target directory not found: smollm3 (nor a named target: tiny, "
                 "qwen2.5-coder-0.5b-instruct, smollm2-135m-instruct); did you mean smollm2-135m-instruct?"),
-    ("qwen-coder", "error: target directory not found: qwen-coder (nor a named target: tiny, lab, "
+    ("qwen-coder", "error: target directory not found: qwen-coder (nor a named target: tiny, "
                    "qwen2.5-coder-0.5b-instruct, smollm2-135m-instruct); did you mean qwen2.5-coder-0.5b-instruct?"),
-    ("/nonexistent/model", "error: target directory not found: /nonexistent/model (nor a named target: tiny, lab, "
+    ("/nonexistent/model", "error: target directory not found: /nonexistent/model (nor a named target: tiny, "
                            "qwen2.5-coder-0.5b-instruct, smollm2-135m-instruct)"),
 ])
 def test_decode_names_the_targets_it_knows_and_the_closest_one(target, line, capsys, monkeypatch):

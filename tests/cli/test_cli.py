@@ -92,21 +92,6 @@ def test_decode_tiny_runs_and_says_the_dtype_it_was_given(monkeypatch, capsys):
     assert any(line.startswith("drafter:") and line.endswith("bfloat16)") for line in lines), lines
 
 
-def test_decode_lab_runs_the_laboratory_pair_side_by_side(monkeypatch, capsys):
-    """--target lab loads lab/target with lab/drafters/B, feeds the licence-header prompt as raw text and
-    shows plain decoding beside DFlash, lossless."""
-    monkeypatch.setenv("RETRACE_JAX_CACHE_DIR", "")
-    decode.main(["--target", "lab", "--max-new-tokens", "24", "--runs", "1"])
-    lines = capsys.readouterr().out.splitlines()
-    assert any(line.startswith("target:") and os.path.join("lab", "target") in line for line in lines), lines
-    assert any(line.startswith("drafter:") and os.path.join("lab", "drafters", "B") in line for line in lines)
-    assert any("chat template" not in line and line.startswith("prompt (") for line in lines)
-    table = [line for line in lines if line.startswith(("plain ", "dflash "))]
-    assert len(table) == 2 and all(line.endswith("yes") for line in table)
-    tau = float(table[1].split()[2])
-    assert tau > 2  # the trained pair drafts the licence text well (a random drafter gives about 1)
-
-
 @pytest.mark.parametrize("argv, name, raw", [
     ([], "qwen2.5-coder-0.5b-instruct", True),  # the demo: the code model continues a function, raw text
     (["--target", "smollm2-135m-instruct"], "smollm2-135m-instruct", False),  # a chat question
