@@ -83,8 +83,9 @@ def cached(path: str, build):
             return {k: z[k] for k in z.files}
     arrays = build()
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    np.savez(path + ".tmp.npz", **arrays)
-    os.replace(path + ".tmp.npz", path)
+    tmp = f"{path}.{os.getpid()}.tmp.npz"  # one per process: two probes may build the same set at once
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
     return arrays
 
 
