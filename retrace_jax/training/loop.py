@@ -237,7 +237,7 @@ def global_batch(data: SequenceData, step: int, batch_size: int, seed: int, mesh
     """The arrays of batch ``step``, sharded over the data axes; each process fills only its own rows.
     ``bucketed`` (``train.length_buckets``: ``(block_size, num_anchors)``): batches of similar lengths,
     each as wide as it needs (:meth:`SequenceData.width`)."""
-    idx = data.indices(step, batch_size, seed, bucketed)
+    idx = data.indices(step, batch_size, seed, bucketed is not None)
     width = data.width(idx, *bucketed) if bucketed else None
     tokens, mask, lengths = data.rows(idx, width)
     host = [tokens, mask] + ([features.get(idx, width)] if features is not None else [])
@@ -386,9 +386,9 @@ def _run(cfg: TrainConfig, setup: _Setup, eval_ids, ckpts, start, log) -> dict:
                                        f"nothing exported). Lower train.lr (now {t.lr}) or check the data")
         pending.clear()
 
+    bucketed = (drafter.cfg.block_size, t.num_anchors) if t.length_buckets else None
     try:
         while step < t.steps:
-            bucketed = (drafter.cfg.block_size, t.num_anchors) if t.length_buckets else None
             batch, tokens = global_batch(data, step, t.batch_size, t.seed, mesh, features, bucketed)
             drafter_state, opt_state, metrics = step_fn(target_state, drafter_state, opt_state, batch[0], batch[1],
                                                         jnp.int32(step), jnp.uint32(t.seed), *batch[2:])
