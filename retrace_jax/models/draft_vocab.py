@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from retrace_jax.models.layers import products
 
 FILE = "draft_vocab.safetensors"
 TENSOR = "draft_token_ids"
@@ -100,7 +101,8 @@ def head_logits(target, head: DraftHead | None, hidden_btd):
     """Logits over the draft vocabulary ``[..., U]`` (the whole vocabulary ``[..., V]`` without one)."""
     if head is None:
         return target.logits(hidden_btd)
-    return jnp.dot(hidden_btd.astype(head.weight_du.dtype), head.weight_du)
+    hidden = hidden_btd.astype(head.weight_du.dtype)
+    return products(hidden, head.weight_du, (((hidden.ndim - 1,), (0,)), ((), ())))
 
 
 def to_target_ids(head: DraftHead | None, index):

@@ -414,7 +414,7 @@ def with_draft_vocab(drafter: DFlashDrafter, ids) -> DFlashDrafter:
     return new
 
 
-def init_layers_from_target(drafter: DFlashDrafter, target, layer_ids, neurons=None) -> DFlashDrafter:
+def init_layers_from_target(drafter: DFlashDrafter, target, layer_ids, neurons=None, qk_scales=None) -> DFlashDrafter:
     """A copy of the drafter whose decoder layer ``i`` starts from target layer ``layer_ids[i]``: every
     weight the two blocks share (attention projections, MLP, norms) is copied. What only the drafter
     has keeps its value: the q/k norms when the target has none (Llama, Qwen2), the feature projection
@@ -422,7 +422,11 @@ def init_layers_from_target(drafter: DFlashDrafter, target, layer_ids, neurons=N
     narrower MLP (``intermediate_size``) takes the target MLP's first ``intermediate_size`` neurons (their
     rows of the gate and up projections, their columns of the down projection), or with ``neurons`` (one
     ``[I_target]`` score per drafter layer, e.g. :meth:`TargetModel.mlp_activity`) the highest-scoring
-    ones, in their order in the target."""
+    ones, in their order in the target. ``qk_scales`` (one ``(q, k)`` pair per drafter layer, e.g.
+    :meth:`TargetModel.layer_statistics`' ``q_rms`` and ``k_rms``) start the q/k norms that a target
+    without them lacks at those values instead of ones, so that the normed queries and keys have the
+    scale of the target layer's own (RMSNorm gives each head vector an RMS of 1 times its weight: at ones
+    the attention logits are a fraction of the target's, and attention much flatter)."""
     ids = [int(i) for i in layer_ids]
     if len(ids) != drafter.cfg.num_layers:
         raise ValueError(f"init_layers_from_target: {len(ids)} layer ids for a drafter of {drafter.cfg.num_layers} "
@@ -433,6 +437,12 @@ def init_layers_from_target(drafter: DFlashDrafter, target, layer_ids, neurons=N
         raise ValueError(f"init_layers_from_target: layers {bad} are not among the target's 0..{len(slices) - 1}")
     if neurons is not None and len(neurons) != len(ids):
         raise ValueError(f"init_layers_from_target: {len(neurons)} neuron scores for {len(ids)} layers")
+    if qk_scales is not None:
+        if len(qk_scales) != len(ids):
+            raise ValueError(f"init_layers_from_target: {len(qk_scales)} q/k scales for {len(ids)} layers")
+        if any(tuple(path[:2]) == ("self_attn", "q_norm") for path, _ in nnx.to_flat_state(slices[ids[0]])):
+            raise ValueError("init_layers_from_target: the target's layers have q/k norms of their own, which are "
+                             "copied; q/k scales serve targets without them")
     drafter = nnx.clone(drafter)  # its own variables: the caller's drafter stays as it was
     flat = dict(nnx.to_flat_state(nnx.state(drafter)))
     width = drafter.cfg.intermediate_size
@@ -460,6 +470,10 @@ def init_layers_from_target(drafter: DFlashDrafter, target, layer_ids, neurons=N
                 raise ValueError(f"init_layers_from_target: target layer {layer} {'.'.join(map(str, path))} has "
                                  f"shape {value.shape}, the drafter's {mine.get_value().shape}")
             mine.set_value(jnp.asarray(value, mine.get_value().dtype))
+        if qk_scales is not None:
+            attn = drafter.layers[i].self_attn
+            for norm, scale in ((attn.q_norm, qk_scales[i][0]), (attn.k_norm, qk_scales[i][1])):
+                norm.weight.set_value(jnp.full_like(norm.weight.get_value(), scale))
     return drafter
 
 

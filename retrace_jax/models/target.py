@@ -96,8 +96,16 @@ class TargetModel(nnx.Module):
 
     def mlp_activity(self, tokens_bs, valid_bs, layer: int):
         """``[I]``: the mean absolute activation ``|silu(gate(u)) * up(u)|`` of each MLP neuron of ``layer``
-        over the ``valid`` positions of ``tokens`` (causal attention within each row), e.g. to keep a
-        narrower drafter MLP's most active neurons (:func:`~retrace_jax.models.drafter.init_layers_from_target`)."""
+        over the ``valid`` positions of ``tokens`` (:meth:`layer_statistics`' ``"mlp"``)."""
+        return self.layer_statistics(tokens_bs, valid_bs, layer)["mlp"]
+
+    def layer_statistics(self, tokens_bs, valid_bs, layer: int) -> dict:
+        """Statistics of ``layer`` over the ``valid`` positions of ``tokens`` (causal attention within each
+        row), e.g. to start drafter layers copied from it
+        (:func:`~retrace_jax.models.drafter.init_layers_from_target`): ``"mlp"`` ``[I]`` the mean absolute
+        activation ``|silu(gate(u)) * up(u)|`` of each MLP neuron; ``"q_rms"`` and ``"k_rms"`` the mean root
+        mean square of a query and a key head vector as the layer's projections give them (biases included,
+        before RoPE and any q/k norm)."""
         b, s = tokens_bs.shape
         if layer == 0:
             x = self.embed(tokens_bs)
@@ -111,11 +119,19 @@ class TargetModel(nnx.Module):
         def attend(q, k, v):
             return reference_attention(q, k, v, mask), None
 
-        attn, _ = block.self_attn(block.input_layernorm(x), positions, attend)
+        normed = block.input_layernorm(x)
+        attn, _ = block.self_attn(normed, positions, attend)
         u = block.post_attention_layernorm(x + attn)
         act = jnp.abs(jax.nn.silu(block.mlp.gate_proj(u)) * block.mlp.up_proj(u))  # [B, S, I]
-        w = valid_bs.astype(act.dtype)[:, :, None]
-        return jnp.sum(act * w, (0, 1)) / jnp.maximum(jnp.sum(w), 1.0)
+        w = valid_bs.astype(jnp.float32)[:, :, None]
+        count = jnp.maximum(jnp.sum(w), 1.0)
+
+        def head_rms(proj):  # [B, S, d_out] -> the mean over valid positions and heads of each head's RMS
+            heads = proj(normed).astype(jnp.float32).reshape(b, s, -1, self.cfg.head_dim)
+            return jnp.sum(jnp.sqrt(jnp.mean(heads * heads, -1)).mean(-1, keepdims=True) * w) / count
+
+        return {"mlp": jnp.sum(act * w.astype(act.dtype), (0, 1)) / count.astype(act.dtype),
+                "q_rms": head_rms(block.self_attn.q_proj), "k_rms": head_rms(block.self_attn.k_proj)}
 
     def unroll_layers(self, slices: list | None = None) -> "TargetModel":
         """Slices the stacked blocks into separate per-layer arrays, once (call it inside a jitted program

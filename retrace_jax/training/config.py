@@ -54,7 +54,7 @@ from retrace_jax.validation import (
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
 TARGET_DTYPES = ("float32", "bfloat16", "float16")
-PRECISIONS = ("float32", "bfloat16")  # target_precision: the products of a float32 target
+PRECISIONS = ("float32", "bfloat16")  # target_precision, train.precision: the products of float32 weights
 MEMORY_DTYPES = ("float32", "bfloat16", "float16")  # or null: the compute dtype
 NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
@@ -168,6 +168,10 @@ class DrafterSection(Section):
     init_mlp_neurons: Literal["first", "active"] = doc(
         "with init_layers and a narrower MLP (intermediate_size): which of the target layer's neurons the drafter "
         "keeps: first, or active (the highest mean |activation| over 32 training sequences)", "first")
+    init_qk_norm: Literal["ones", "target"] = doc(
+        "with init_layers from a target without q/k norms (Qwen2, Llama): the drafter's q/k norms start at ones, or "
+        "target (the mean RMS of the copied layer's query and key heads over 32 training sequences, so that the "
+        "normed queries and keys keep the scale of the target's and attention is as sharp)", "ones")
     init_final_norm: Bool = doc("a new drafter's final norm starts as the target's (its output feeds the target's "
                                 "LM head); false: ones", False)
     init_fc: Literal[INIT_FC] = doc("a new drafter's feature projection: random, or mean (the mean of the target "
@@ -231,6 +235,11 @@ class TrainSection(Section):
     grad_accum: PositiveInt = doc("micro-steps averaged into one optimizer update", 1)
     compute_dtype: Literal[COMPUTE_DTYPES] = doc("float32, or bfloat16 (bf16 copies of the float32 master weights)",
                                                  "float32")
+    precision: Literal[PRECISIONS] = doc(
+        "the drafter's matrix products in a training step: float32, or bfloat16 (bfloat16 operands and float32 "
+        "accumulation in the forward and the backward pass, float32 master weights and optimizer: "
+        "jax.default_matmul_precision('bfloat16'), on a CPU the dense layers' and the LM head's products, "
+        "faster on CPUs with AVX-512 BF16; on a GPU or TPU every product)", "float32")
     remat: Bool = doc("recompute drafter layer activations in the backward pass", False)
     feature_cache: Bool = doc("DFlash, one process: compute the target features of all sequences once, into a "
                               "memory-mapped store beside the prepared data that later runs reuse (resumable; "
@@ -311,6 +320,9 @@ class TrainConfig(Section):
             out.append("data.num_prompts: must be set for random prompts")
         if dr.init_mlp_neurons != "first" and dr.init_layers is None:
             out.append("drafter.init_mlp_neurons: chooses the neurons that drafter.init_layers copies; set init_layers")
+        if dr.init_qk_norm != "ones" and dr.init_layers is None:
+            out.append("drafter.init_qk_norm: scales the q/k norms of the layers that drafter.init_layers copies; set "
+                       "init_layers")
         if dr.init and (dr.init_final_norm or dr.init_fc != "random"):
             out.append(f"drafter.init_final_norm, drafter.init_fc: start a new drafter; with drafter.init the weights "
                        f"come from {dr.init}")

@@ -72,13 +72,18 @@ def build_drafter(cfg, target, mesh, data: SequenceData | None = None, log=None)
                                retrace=retrace, seed=t.seed)
         check_drafter_matches(drafter.cfg, target.cfg)
         if dc.init_layers is not None:
-            neurons = None
-            if dc.init_mlp_neurons == "active":
+            neurons = qk_scales = None
+            if dc.init_mlp_neurons == "active" or dc.init_qk_norm == "target":
                 if data is None:
-                    raise ConfigError("drafter.init_mlp_neurons: active needs the prepared data to measure on")
-                neurons = mlp_activity(target, data, dc.init_layers, log)
+                    raise ConfigError("drafter.init_mlp_neurons: active and drafter.init_qk_norm: target need the "
+                                      "prepared data to measure on")
+                stats = layer_statistics(target, data, dc.init_layers, log)
+                if dc.init_mlp_neurons == "active":
+                    neurons = [np.asarray(s["mlp"]) for s in stats]
+                if dc.init_qk_norm == "target":
+                    qk_scales = [(float(s["q_rms"]), float(s["k_rms"])) for s in stats]
             try:
-                drafter = init_layers_from_target(drafter, target, dc.init_layers, neurons)
+                drafter = init_layers_from_target(drafter, target, dc.init_layers, neurons, qk_scales)
             except ValueError as err:
                 raise ConfigError(f"drafter.init_layers: {err}") from None
         if dc.init_final_norm or dc.init_fc != "random":
@@ -117,25 +122,27 @@ def build_drafter(cfg, target, mesh, data: SequenceData | None = None, log=None)
     return drafter
 
 
-def mlp_activity(target, data: SequenceData, layers, log=None, sequences: int = 32) -> list:
-    """Each layer's mean |MLP activation| per neuron over ``sequences`` training sequences spread over the
-    data (:meth:`TargetModel.mlp_activity`; every position of the sequences counts)."""
+def layer_statistics(target, data: SequenceData, layers, log=None, sequences: int = 32) -> list[dict]:
+    """:meth:`TargetModel.layer_statistics` of each layer over ``sequences`` training sequences spread over
+    the data (every position of the sequences counts), as host values."""
     idx = spread_indices(len(data), sequences)
     width = data.width(idx)
     tokens, _, lengths = data.rows(idx, width)
     valid = np.arange(width)[None, :] < lengths[:, None]
-    scores = [np.asarray(jax.device_get(target.mlp_activity(jnp.asarray(tokens), jnp.asarray(valid), int(layer))))
-              for layer in layers]
+    stats = [jax.device_get(target.layer_statistics(jnp.asarray(tokens), jnp.asarray(valid), int(layer)))
+             for layer in layers]
     if log is not None:
-        log({"event": "mlp_activity", "layers": [int(x) for x in layers], "sequences": len(idx)})
-    return scores
+        log({"event": "layer_statistics", "layers": [int(x) for x in layers], "sequences": len(idx),
+             "q_rms": [round(float(s["q_rms"]), 4) for s in stats],
+             "k_rms": [round(float(s["k_rms"]), 4) for s in stats]})
+    return stats
 
 
 def step_options(cfg: TrainConfig) -> StepOptions:
     t = cfg.train
     return StepOptions(objective=t.objective, num_anchors=t.num_anchors, gamma=t.gamma, round1_weight=t.round1_weight,
                        correction_source=t.correction_source, beta_warmup_steps=t.beta_warmup_steps,
-                       compute_dtype=t.compute_dtype, remat=t.remat, grad_accum=t.grad_accum,
+                       compute_dtype=t.compute_dtype, precision=t.precision, remat=t.remat, grad_accum=t.grad_accum,
                        memory_dtype=t.memory_dtype, rounds=t.rounds,
                        round_weights=None if t.round_weights is None else tuple(t.round_weights),
                        memory_dropout=t.memory_dropout, miss_weight=t.miss_weight, slot_weights=t.slot_weights)
@@ -163,7 +170,7 @@ def run_settings(cfg: TrainConfig, drafter, num_sequences: int) -> dict:
         "rounds": t.rounds if retrace else None, "round_weights": list(weights) if retrace else None,
         "memory_dropout": t.memory_dropout if retrace else None, "miss_weight": t.miss_weight if retrace else None,
         "correction_source": t.correction_source, "beta_warmup_steps": t.beta_warmup_steps,
-        "compute_dtype": t.compute_dtype, "memory_dtype": t.memory_dtype, "block_size": drafter_cfg.block_size,
+        "compute_dtype": t.compute_dtype, "precision": t.precision, "memory_dtype": t.memory_dtype, "block_size": drafter_cfg.block_size,
         "slot_weights": t.slot_weights, "schedule": t.schedule, "length_buckets": t.length_buckets,
         # the features' products: the store's follow target_precision, the step's are JAX's default
         "feature_precision": cfg.target_precision if t.feature_cache else "float32",

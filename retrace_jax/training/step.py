@@ -16,6 +16,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from retrace_jax.models.layers import product_precision
 from retrace_jax.parallel.sharding import batch_sharding
 from retrace_jax.training.dflash_loss import SLOT_WEIGHTS, TRAIN_MESH, dflash_loss, sample_anchors
 from retrace_jax.training.retrace_loss import (
@@ -40,6 +41,7 @@ class StepOptions:
     correction_source: str = "verify"  # ReTrace: "verify" or "teacher"
     beta_warmup_steps: int = 50  # ReTrace: beta ramps 0 -> 1 over these steps
     compute_dtype: str = "float32"  # "bfloat16": compute with bf16 copies of the float32 master weights
+    precision: str = "float32"  # "bfloat16": the drafter's products take bfloat16 operands (layers.products)
     remat: bool = False  # recompute drafter layer activations in the backward pass
     grad_accum: int = 1  # micro-steps per optimizer update
     memory_dtype: str | None = None  # ReTrace: dtype the retained (detached) states are stored in; None: compute
@@ -54,6 +56,8 @@ class StepOptions:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
+        if self.precision not in ("float32", "bfloat16"):
+            raise ValueError(f"precision must be float32 or bfloat16, got {self.precision!r}")
         if self.slot_weights not in SLOT_WEIGHTS:
             raise ValueError(f"slot_weights must be one of {SLOT_WEIGHTS}, got {self.slot_weights!r}")
         if self.slot_weights != "gamma" and self.objective != "dflash":
@@ -161,8 +165,9 @@ def _step(target_state, drafter_state, opt_state, tokens_bs, loss_mask_bs, step,
           target_def, drafter_def, optimizer, opts, drafter_fixed=None):
     target = nnx.merge(target_def, target_state)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (_, metrics), grads = grad_fn(drafter_state, drafter_def, target, tokens_bs, loss_mask_bs, step, seed, opts,
-                                  features_bsf, drafter_fixed)
+    with product_precision(opts.precision):  # read as the step is traced
+        (_, metrics), grads = grad_fn(drafter_state, drafter_def, target, tokens_bs, loss_mask_bs, step, seed, opts,
+                                      features_bsf, drafter_fixed)
     updates, opt_state = optimizer.update(grads, opt_state, drafter_state)
     metrics["grad_norm"] = _norm(grads)
     return optax.apply_updates(drafter_state, updates), opt_state, metrics

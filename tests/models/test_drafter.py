@@ -286,3 +286,46 @@ def test_mlp_activity_matches_transformers_and_picks_the_neurons_a_narrower_mlp_
     assert not np.array_equal(keep, np.arange(width))  # not simply the first neurons
     with pytest.raises(ValueError, match="neuron scores"):
         init_layers_from_target(drafter, qwen3, [1], neurons=[got[:5]])
+
+
+def test_qk_scales_start_the_norms_at_the_scale_of_the_target_layers_heads(hf_model_dir):
+    """TargetModel.layer_statistics' q_rms and k_rms are the mean RMS of a query and a key head vector as
+    transformers' q_proj and k_proj give them (biases included); init_layers_from_target starts the drafter's
+    q/k norms at them, and refuses scales for a target whose layers have q/k norms of their own."""
+    from retrace_jax.models.drafter import init_layers_from_target
+
+    hf, directory = hf_model_dir("qwen2")
+    target = rj.load_target(directory)
+    tokens = np.random.RandomState(1).randint(0, 120, (2, 9))
+    valid = np.ones((2, 9), bool)
+    valid[0, 6:] = False
+    captured = {}
+    attn = hf.model.layers[1].self_attn
+    hooks = [proj.register_forward_hook(lambda mod, args, out, n=n: captured.__setitem__(n, out.detach().numpy()))
+             for n, proj in (("q", attn.q_proj), ("k", attn.k_proj))]
+    try:
+        with torch.no_grad():
+            hf(torch.as_tensor(tokens), attention_mask=torch.as_tensor(valid.astype(np.int64)))
+    finally:
+        for h in hooks:
+            h.remove()
+    stats = target.layer_statistics(jnp.asarray(tokens), jnp.asarray(valid), 1)
+    for name in ("q", "k"):
+        heads = captured[name].reshape(2, 9, -1, target.cfg.head_dim)
+        ref = np.sqrt((heads ** 2).mean(-1)).mean(-1)[valid].mean()
+        np.testing.assert_allclose(float(stats[f"{name}_rms"]), ref, rtol=1e-4)
+    drafter = rj.init_drafter(target.cfg, mask_token_id=100, num_layers=2, block_size=4)
+    scaled = init_layers_from_target(drafter, target, [0, 1], qk_scales=[(2.0, 3.0), (float(stats["q_rms"]), 0.5)])
+    for layer, (q, k) in zip(scaled.layers, [(2.0, 3.0), (float(stats["q_rms"]), 0.5)]):
+        np.testing.assert_array_equal(np.asarray(layer.self_attn.q_norm.weight[...]), np.full(target.cfg.head_dim, q,
+                                                                                              np.float32))
+        np.testing.assert_array_equal(np.asarray(layer.self_attn.k_norm.weight[...]), np.full(target.cfg.head_dim, k,
+                                                                                              np.float32))
+    np.testing.assert_array_equal(np.asarray(drafter.layers[0].self_attn.q_norm.weight[...]), 1.0)  # a copy
+    with pytest.raises(ValueError, match="2 q/k scales for 1 layers"):
+        init_layers_from_target(rj.init_drafter(target.cfg, mask_token_id=100, num_layers=1), target, [1],
+                                qk_scales=[(1.0, 1.0)] * 2)
+    qwen3 = rj.load_target(hf_model_dir("qwen3")[1])
+    with pytest.raises(ValueError, match="q/k norms of their own"):
+        init_layers_from_target(rj.init_drafter(qwen3.cfg, mask_token_id=100, num_layers=1), qwen3, [1],
+                                qk_scales=[(1.0, 1.0)])

@@ -64,3 +64,39 @@ def test_bfloat16_products_are_for_a_float32_target():
     assert load_config(None, ["target_precision=bfloat16"]).target_precision == "bfloat16"
     with pytest.raises(ConfigError, match="target_precision: bfloat16 products are for a float32 target"):
         load_config(None, ["target_dtype=bfloat16", "target_precision=bfloat16"])
+
+
+def _grads(x, w):
+    from retrace_jax.models.layers import products
+
+    dims = (((x.ndim - 1,), (0,)), ((), ()))
+    return jax.jit(jax.grad(lambda a, b: jnp.sum(jnp.sin(products(a, b, dims))), argnums=(0, 1)))(x, w)
+
+
+def test_bfloat16_products_differentiate_through_bfloat16_operands():
+    """The input gradient is ct @ w.T and the weight gradient x.T @ ct, each of bfloat16 operands (the
+    cotangent rounded once) accumulated in float32: equal to those products computed in float64 from the
+    rounded values, close to the float32 gradients, and the backward pass's products are bfloat16 ones."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (3, 7, 48), jnp.float32)
+    w = jax.random.normal(jax.random.PRNGKey(1), (48, 24), jnp.float32) / 7
+    exact = _grads(x, w)
+    with jax.default_matmul_precision("bfloat16"):
+        fast = _grads(x, w)
+        hlo = jax.jit(jax.grad(lambda a, b: jnp.sum(jnp.sin(
+            rj_products(a, b))), argnums=(0, 1))).lower(x, w).as_text()
+    r = lambda a: np.asarray(jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32), np.float64)  # noqa: E731
+    xr, wr = r(x), r(w)
+    ct = r(np.cos(np.asarray(xr @ wr, np.float32)))  # d sum(sin(y)) / dy at the forward's output, rounded
+    for got, want in ((fast[0], ct @ wr.T), (fast[1], xr.reshape(-1, 48).T @ ct.reshape(-1, 24))):
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-3, atol=2e-3)
+    for got, f32 in zip(fast, exact):
+        assert 0 < np.abs(np.asarray(got) - np.asarray(f32)).max() < 0.02 * np.abs(np.asarray(f32)).max()
+    dots = [line.split(":")[-1] for line in hlo.splitlines() if "dot_general" in line]  # (operand types) -> result
+    assert len(dots) == 3 and all(d.count("xbf16>") == 2 and d.endswith("xf32>") for d in dots), dots
+
+
+def rj_products(a, b):
+    from retrace_jax.models.layers import products
+
+    return products(a, b, (((a.ndim - 1,), (0,)), ((), ())))

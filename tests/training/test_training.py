@@ -713,14 +713,43 @@ def test_length_buckets_train_with_and_without_the_feature_store(workspace, dfla
         assert len(losses) == 6 and all(np.isfinite(losses))
 
 
-def test_a_narrower_mlp_starts_from_the_most_active_neurons(workspace, dflash_run, tmp_path):
+def test_a_narrower_mlp_starts_from_the_most_active_neurons(workspace, dflash_run, tmp_path, capsys):
     root, config = workspace
     out = tmp_path / "active"
     common = ["--config", config, "--set", "train.steps=2", "--set", "drafter.init_layers=[1]", "--set",
               "drafter.intermediate_size=32", "--set", "train.checkpoint_every=2", "--set", "train.eval_every=0"]
     train.main([*common, "--set", f"out={out}", "--set", "drafter.init_mlp_neurons=active",
                 "--set", "drafter.init_final_norm=true", "--set", "drafter.init_fc=mean"])
-    events = [r for r in _records(out) if r.get("event") == "mlp_activity"]
-    assert events == [{"event": "mlp_activity", "layers": [1], "sequences": 32}]
+    events = [r for r in _records(out) if r.get("event") == "layer_statistics"]
+    assert [{k: e[k] for k in ("layers", "sequences")} for e in events] == [{"layers": [1], "sequences": 32}]
     with pytest.raises(rj.ConfigError, match="drafter.init_mlp_neurons: chooses the neurons"):
         load_config(config, ["drafter.init_mlp_neurons=active"])
+    with pytest.raises(rj.ConfigError, match="drafter.init_qk_norm: scales the q/k norms"):
+        load_config(config, ["drafter.init_qk_norm=target"])
+    # the workspace's target is a Qwen3, whose q/k norms init_layers copies
+    error = cli_error(capsys, train.main, [*common, "--set", f"out={tmp_path / 'qk'}", "--set",
+                                           "drafter.init_qk_norm=target"])
+    assert error.startswith("error: drafter.init_layers:") and "q/k norms of their own" in error
+
+
+def test_bfloat16_products_train_close_to_float32_and_are_part_of_the_settings(workspace, dflash_run, tmp_path,
+                                                                                 capsys):
+    """train.precision bfloat16: the same run with bfloat16 products in the forward and backward passes
+    starts from the same weights and follows float32's losses closely, not exactly; resuming under the
+    other precision is refused."""
+    root, config = workspace
+    losses = {}
+    for precision in ("float32", "bfloat16"):
+        out = tmp_path / precision
+        summary = train.main(["--config", config, "--set", f"out={out}", "--set", "train.steps=6", "--set",
+                              f"train.precision={precision}", "--set", "train.checkpoint_every=3"])
+        assert summary["steps_run"] == 6
+        losses[precision] = np.array([r["loss"] for r in _records(out) if "loss" in r])
+    assert np.isfinite(losses["bfloat16"]).all() and not np.array_equal(losses["bfloat16"], losses["float32"])
+    np.testing.assert_allclose(losses["bfloat16"], losses["float32"], rtol=0.02)
+    # the checkpoint of step 3 of the float32 run does not resume under bfloat16 products
+    shutil.rmtree(tmp_path / "float32" / "checkpoints" / "6")
+    error = cli_error(capsys, train.main, ["--config", config, "--set", f"out={tmp_path / 'float32'}", "--set",
+                                           "train.steps=6", "--set", "train.precision=bfloat16", "--set",
+                                           "train.checkpoint_every=3"])
+    assert "precision" in error
