@@ -23,11 +23,13 @@ fi
 # block), so a smaller block takes more anchors and more anchors take fewer sequences.
 PROBES=(
     "base"
+    "qknorm drafter.init_qk_norm=target"
     "b4 drafter.block_size=4 train.num_anchors=64"
+    "copy drafter.init_qk_norm=target drafter.attention_bias=true drafter.init_final_norm=true"
     "norm drafter.init_final_norm=true drafter.init_fc=mean"
     "anchors64 train.num_anchors=64 train.batch_size=4"
-    "constant train.schedule=constant"
     "lr3e-3 train.lr=3.0e-3"
+    "constant train.schedule=constant"
     "expected train.slot_weights=expected_length"
     "uniform train.slot_weights=uniform"
     "reach train.slot_weights=reach"
@@ -38,6 +40,7 @@ PROBES=(
     "vocab16k drafter.draft_vocab=16384"
     "layers3 drafter.num_layers=3 drafter.init_layers=[21,22,23]"
     "wide drafter.intermediate_size=4864"
+    "bf16 train.precision=bfloat16"
 )
 for line in "${PROBES[@]}"; do
     read -r name overrides <<< "$line"
