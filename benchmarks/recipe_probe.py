@@ -7,6 +7,9 @@ well it fits, lever by lever.
     python benchmarks/recipe_probe.py table runs/probes/base/probe.json runs/probes/b8/probe.json --baseline base
     # probes while the data is still being prepared: all on one fixed snapshot of its first shards
     python benchmarks/recipe_probe.py snapshot runs/qwen25coder05_code_data_bf16 runs/probe_data_8 --shards 8
+    # minutes: how fast a recipe memorises the same 4 sequences (a screen before a probe)
+    python benchmarks/recipe_probe.py memorize qk --config configs/qwen25coder05_probe.yaml \
+        --set data.dir=runs/probe_data_8 --set drafter.init_qk_norm=target
 
 ``run NAME`` trains into ``ROOT/NAME`` (``train.py --stage train``: the prepared data of the configuration,
 resumed exactly when rerun), then measures its drafter on two sets of sequences, each a prompt and the
@@ -261,6 +264,58 @@ def sets_only(args) -> None:
                                                                      for k, v in sets.items()))
 
 
+def memorize(args) -> dict:
+    """Trains a new drafter of the configuration on the same ``--sequences`` training sequences at every step
+    for ``--steps`` steps (the configuration's optimizer and schedule over that many steps, anchors drawn
+    anew each step) and logs the loss, the slot accuracies and the τ they imply on that batch every
+    ``--every`` steps: how fast a recipe can fit data it sees again and again, a screen of minutes for
+    what keeps a drafter from fitting (a recipe that cannot memorise a few sequences will not fit
+    thousands). Writes ``ROOT/_memorize/NAME.json``; nothing is exported or checkpointed."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from retrace_jax.training import loop
+    from retrace_jax.training.config import load_config
+    from retrace_jax.training.evaluate import cached_features
+    from retrace_jax.training.step import make_train_step
+
+    cfg = load_config(args.config, list(args.set) + [f"train.steps={args.steps}",
+                                                     f"train.batch_size={args.sequences}",
+                                                     f"out={os.path.join(args.root, '_memorize', args.name)}"])
+    events = []
+    setup = loop._setup(cfg, events.append)
+    t = cfg.train
+    data = setup.data
+    idx = np.asarray(data.indices(0, args.sequences, t.seed))  # one batch of the first epoch's order
+    tokens, mask, _ = data.rows(idx, None)
+    batch = [jnp.asarray(tokens), jnp.asarray(mask)]
+    if t.feature_cache:
+        store = cached_features(setup.target, setup.drafter.cfg.target_layer_ids, data, t.batch_size, events.append,
+                                cfg.data_dir, cfg.target, precision=cfg.target_precision)
+        batch.append(jnp.asarray(store.get(idx, None)))
+    optimizer, drafter_def, drafter_state, fixed, opt_state = loop._trainable(cfg, setup.drafter, None)
+    target_def, target_state = nnx.split(setup.target)
+    step_fn = make_train_step(target_def, drafter_def, optimizer, loop.step_options(cfg),
+                              precomputed_features=t.feature_cache, drafter_fixed=fixed)
+    curve, start = [], time.perf_counter()
+    for step in range(args.steps):
+        drafter_state, opt_state, m = step_fn(target_state, drafter_state, opt_state, *batch[:2], jnp.int32(step),
+                                              jnp.uint32(t.seed), *batch[2:])
+        if (step + 1) % args.every == 0 or step + 1 == args.steps:
+            m = jax.device_get(m)
+            row = {"step": step + 1, "loss": round(float(m["loss"]), 4), "tau": round(float(m["tau"]), 4),
+                   "slot_accuracy": [round(float(x), 4) for x in m["slot_accuracy"][1:5]],
+                   "seconds": round(time.perf_counter() - start, 1)}
+            curve.append(row)
+            print(json.dumps(row), flush=True)
+    result = {"name": args.name, "config": os.path.relpath(os.path.abspath(args.config), ROOT), "set": list(args.set),
+              "sequences": args.sequences, "steps": args.steps, "indices": idx.tolist(), "curve": curve,
+              "events": [e for e in events if e.get("event") == "layer_statistics"]}
+    write_json(result, os.path.join(args.root, "_memorize", f"{args.name}.json"))
+    return result
+
+
 def _records(out_dir: str) -> list[dict]:
     path = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.exists(path):
@@ -353,6 +408,14 @@ def main(argv=None):
     r.add_argument("--out", help="also write the result here")
     r.add_argument("--again", action="store_true", help="train and measure even if NAME has a result")
     r.add_argument("--sets-only", action="store_true", help="only build the dev and fit sets and their features")
+    m = sub.add_parser("memorize", help="how fast a configuration fits the same few sequences (minutes)")
+    m.add_argument("name", help="the result's name: ROOT/_memorize/NAME.json")
+    m.add_argument("--config", required=True)
+    m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (repeatable)")
+    m.add_argument("--root", default=os.path.join(ROOT, "runs", "probes"))
+    m.add_argument("--sequences", type=int, default=4, help="training sequences, the same at every step")
+    m.add_argument("--steps", type=int, default=100)
+    m.add_argument("--every", type=int, default=10, help="log every this many steps")
     t = sub.add_parser("table", help="compare probes' results")
     t.add_argument("results", nargs="+", help="probe.json files")
     t.add_argument("--baseline", default="base")
@@ -366,6 +429,10 @@ def main(argv=None):
         if args.shards < 1:
             p.error("--shards must be positive")
         return snapshot(args.source, args.shards, args.dest)
+    if args.command == "memorize":
+        if min(args.sequences, args.steps, args.every) < 1:
+            p.error("--sequences, --steps and --every must be positive")
+        return memorize(args)
     if args.command == "run":
         if args.fit < 1 or args.anchors < 1:
             p.error("--fit and --anchors must be positive")

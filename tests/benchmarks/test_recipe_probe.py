@@ -81,3 +81,19 @@ def test_snapshot_fixes_the_first_finished_shards(prepared, tmp_path):
 
     check_prepared(load_config(config, [f"data.dir={dest}"]))  # the same settings and target
     assert len(SequenceData(str(dest), 64)) == 2 * manifest["settings"]["shard_size"]
+
+
+def test_memorize_fits_the_same_sequences_and_writes_its_curve(prepared, tmp_path, capsys):
+    """memorize trains on one fixed batch: the loss falls on it, and the result holds the curve, the
+    sequences, and the steps it was logged at."""
+    root, config = prepared
+    common = ["--config", config, "--root", str(tmp_path), "--sequences", "3", "--steps", "30", "--every", "10",
+              "--set", "train.lr=1e-2"]
+    r = recipe_probe.main(["memorize", "fit", *common])
+    assert [row["step"] for row in r["curve"]] == [10, 20, 30] and len(r["indices"]) == 3
+    assert r["curve"][-1]["loss"] < 0.8 * r["curve"][0]["loss"]
+    assert json.loads((tmp_path / "_memorize" / "fit.json").read_text()) == r
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [row["step"] for row in lines] == [10, 20, 30]
+    with pytest.raises(SystemExit):
+        recipe_probe.main(["memorize", "bad", *common, "--steps", "0"])
