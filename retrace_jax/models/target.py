@@ -42,7 +42,7 @@ class TargetModel(nnx.Module):
     """Decoder-only language model. The KV cache lives outside the module and is passed explicitly.
 
     ``layers`` is one :class:`~retrace_jax.models.layers.DecoderBlock` whose parameters carry a leading
-    layer axis (``layers.self_attn.q_proj.kernel`` is ``[L, d, H*D]``)."""
+    layer axis (``layers.self_attn.qkv_proj.kernel`` is ``[L, d, K, H/K + 2, D]``)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -113,7 +113,7 @@ class TargetModel(nnx.Module):
 
         attn, _ = block.self_attn(block.input_layernorm(x), positions, attend)
         u = block.post_attention_layernorm(x + attn)
-        act = jnp.abs(jax.nn.silu(block.mlp.gate_proj(u)) * block.mlp.up_proj(u))  # [B, S, I]
+        act = jnp.abs(block.mlp.activations(u))  # [B, S, I]
         w = valid_bs.astype(act.dtype)[:, :, None]
         return jnp.sum(act * w, (0, 1)) / jnp.maximum(jnp.sum(w), 1.0)
 

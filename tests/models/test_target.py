@@ -136,5 +136,5 @@ def test_abstract_target_has_the_structure_of_the_built_model(family, dtype):
         return [(p, type(v), v.get_value().shape, v.get_value().dtype) for p, v in nnx.to_flat_state(state)]
 
     assert leaves(state_a) == leaves(state_b)
-    up_ldi = abstract.layers.mlp.up_proj.kernel.get_value()
-    assert up_ldi.shape == (3, cfg.hidden_size, cfg.intermediate_size) and up_ldi.dtype == dtype
+    gate_up = abstract.layers.mlp.gate_up_proj.kernel.get_value()  # [L, d, 2, I]
+    assert gate_up.shape == (3, cfg.hidden_size, 2, cfg.intermediate_size) and gate_up.dtype == dtype
