@@ -141,6 +141,36 @@ def rope(x_bthd, positions_bt, theta: float):
     return x_bthd * cos + rotated * sin
 
 
+# The separate projections that the joined parameters hold, in their order along the joined axis (the
+# layouts: Attention and MLP). Checkpoints keep them separate (retrace_jax/io/weights.py); training
+# checkpoints written before the joining hold them too (retrace_jax/training/checkpoints.py).
+JOINED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def separate_projections(name: str, joined) -> tuple:
+    """The separate parts of a joined kernel (``[..., d, *out]``) or bias (``[..., *out]``) of ``name``
+    (a key of :data:`JOINED`), each with its output axes merged as in ``nnx.Linear``:
+    ``qkv_proj`` ``[..., K, R + 2, D]`` -> q ``[..., K*R*D]``, k and v ``[..., K*D]``; ``gate_up_proj``
+    ``[..., 2, I]`` -> gate and up ``[..., I]``."""
+    if name == "gate_up_proj":
+        return joined[..., 0, :], joined[..., 1, :]
+    lead, (kv, r2, d) = joined.shape[:-3], joined.shape[-3:]
+    r = r2 - 2
+    return (joined[..., :r, :].reshape(lead + (kv * r * d,)), joined[..., r, :].reshape(lead + (kv * d,)),
+            joined[..., r + 1, :].reshape(lead + (kv * d,)))
+
+
+def join_projections(name: str, parts, shape: tuple):
+    """The joined parameter of ``name`` and ``shape`` from its separate parts (:func:`separate_projections`
+    inverted)."""
+    if name == "gate_up_proj":
+        return jnp.stack(parts, axis=-2)
+    lead, (kv, r2, d) = tuple(shape[:-3]), tuple(shape[-3:])
+    q, k, v = parts
+    return jnp.concatenate([q.reshape(lead + (kv, r2 - 2, d)), k.reshape(lead + (kv, 1, d)),
+                            v.reshape(lead + (kv, 1, d))], axis=-2)
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSpec:
     """The shape and flags of one decoder block (the target's and the drafter's differ only here)."""

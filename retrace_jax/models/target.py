@@ -133,6 +133,17 @@ class TargetModel(nnx.Module):
         object.__setattr__(self, "_per_layer", self.layer_slices() if slices is None else list(slices))
         return self
 
+    def unroll_in_place(self) -> "TargetModel":
+        """Makes later calls run a Python loop over the layers that reads each layer's weights out of the
+        stacked arrays where it runs (static indices, inside every step: one copy of the weights in memory,
+        none made up front). Whether a compiler then reads them in place or copies each layer per step is
+        its business: XLA's CPU backend copies them (so a CPU unrolls over views instead:
+        :func:`~retrace_jax.decoding.layer_loop.decode_weights`); ``benchmarks/device_check.py`` counts
+        the copies an accelerator's program makes."""
+        object.__setattr__(self, "_per_layer", None)
+        object.__setattr__(self, "_in_place", True)
+        return self
+
     def with_head_dv(self, head_dv) -> "TargetModel":
         """Makes :meth:`logits` multiply by ``head_dv``, a ``[d, V]`` copy of the tied head (the decode
         programs' kept copy: :class:`~retrace_jax.decoding.layer_loop.DecodeWeights`); None: no change."""
@@ -161,6 +172,8 @@ class TargetModel(nnx.Module):
             return nnx.merge(graphdef, layer_params)(x, positions_bt, attend_at(layer, carry))
 
         per_layer = None if scan_layers else getattr(self, "_per_layer", None)
+        if not scan_layers and getattr(self, "_in_place", False):  # static slices where each layer runs
+            per_layer = [jax.tree.map(lambda a, i=i: a[i], params) for i in range(num_layers)]
         if per_layer is None:
             slot_of = jnp.asarray([kept.index(i) if i in kept else len(kept) for i in range(num_layers)], jnp.int32)
 

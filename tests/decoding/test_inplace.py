@@ -244,3 +244,40 @@ def test_detector_finds_a_shared_zero_buffer():
 
     hlo = jax.jit(two).lower(jnp.ones((64,)), 3).compile().as_text()
     assert whole_copies(hlo, (4, 512, 64))
+
+
+def test_the_unrolled_loop_holds_one_copy_of_the_weights_and_cpu_programs_read_it_in_place(monkeypatch):
+    """The unrolled layer loop holds one copy of the weights: on one CPU device views of the stacked
+    arrays (no weight-sized instruction in the loop), elsewhere the stacked arrays themselves, which the
+    program indexes statically where each layer runs (nothing kept beside the target). XLA's CPU backend
+    copies such a static slice at every step, which ``weight_copies`` finds (so a CPU keeps the views);
+    ``benchmarks/device_check.py`` counts them on an accelerator. All three give the same tokens."""
+    import jax
+
+    from benchmarks.hlo import layer_weight_elements, weight_copies
+    from retrace_jax.decoding import layer_loop
+
+    target, args = _inputs()
+    tdef, tstate = nnx.split(target)
+    sizes = layer_weight_elements(target)
+    views = layer_loop.decode_weights(target, "unrolled", tstate)
+    assert views.layers is not None
+    hlo = users_hlo(plain_generate.lower(tdef, tstate, *args, capacity=64, layer_loop="unrolled", kept=views))
+    assert weight_copies(hlo, sizes) == []
+
+    monkeypatch.setattr(layer_loop, "_layer_views", lambda target: None)  # as on an accelerator
+    other = rj.tiny.tiny_target()  # a new target: decode_weights keeps one set per target
+    odef, ostate = nnx.split(other)
+    in_place = layer_loop.decode_weights(other, "unrolled", ostate)
+    assert in_place.layers is None  # nothing beside the target but the tied head's [d, V] copy
+    assert [x.nbytes for x in jax.tree.leaves(in_place)] == [other.embed_tokens.embedding[...].nbytes]
+    hlo = users_hlo(plain_generate.lower(odef, ostate, *args, capacity=64, layer_loop="unrolled", kept=in_place))
+    assert len(weight_copies(hlo, sizes)) >= other.cfg.num_layers  # XLA:CPU copies each layer's slices
+    copies = layer_loop.decode_weights(other, "unrolled", ostate, per_layer_copies=True)
+    assert len(copies.layers) == other.cfg.num_layers
+
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    want = rj.generate(target, prompts, 10, layer_loop="scan").tokens
+    assert rj.generate(other, prompts, 10, layer_loop="unrolled").tokens == want
+    monkeypatch.undo()
+    assert rj.generate(target, prompts, 10, layer_loop="unrolled").tokens == want

@@ -27,14 +27,17 @@ def test_prefill_logits_match_hf(family, hf_model_dir):
     np.testing.assert_array_equal(np.asarray(out.cache.lengths), [9, 9])
 
 
-@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
+@pytest.mark.parametrize("layer_loop", ["scan", "unrolled", "in_place"])
 def test_cached_decoding_with_ragged_rows_matches_hf(family, hf_model_dir, layer_loop):
     """Rows of different prompt lengths decode token by token, each at its own cache offset; also through
-    the per-layer weight copies that unrolled (CPU) programs run."""
+    the per-layer weight views that unrolled (CPU) programs run, and through the static slices of the
+    stacked weights that unrolled programs run elsewhere."""
     model, directory = hf_model_dir(family)
     target = rj.load_target(directory)
     if layer_loop == "unrolled":
         target.unroll_layers(decode_weights(target, "unrolled").layers)  # the decode steps; the prefill scans
+    elif layer_loop == "in_place":
+        target.unroll_in_place()
     rng = np.random.RandomState(1)
     lens = [3, 7]
     seqs = [rng.randint(0, 128, (lens[b] + 6,)) for b in range(2)]
