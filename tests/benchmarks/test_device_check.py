@@ -32,3 +32,11 @@ def test_device_check_smoke(tmp_path):
     assert len(lossless) == 5
     assert all(float(r["max_abs_err"]) < 1e-4 for r in rows if "max_abs_err" in r)
     assert (tmp_path / "device_check.md").read_text().count("|") > 20
+    # issue 57's variants, a row each: the layer loops under XLA's default options (a CPU has no option
+    # sets here), with the weight-sized instructions of their step, and the projections joined or not
+    loops = {r["what"]: r for r in rows if r.get("options") == "default"}
+    assert loops["plain decode step (unrolled, one copy)"]["weight_copies"] == 0  # views of the stacked weights
+    assert loops["plain decode step (unrolled, one copy)"]["kept_bytes"] < loops[
+        "plain decode step (unrolled, per-layer copies)"]["kept_bytes"]
+    assert loops["plain decode step (scan)"]["weight_copies"] > 0  # XLA:CPU copies each layer's slices
+    assert {"projection products (joined)", "projection products (separate)"} <= whats
