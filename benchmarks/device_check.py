@@ -328,7 +328,7 @@ def generate_rows(name, target, drafter, context, new_tokens, repeats):
     1: milliseconds per new token, the median of ``repeats`` calls after a compiling one. The drafter's
     weights are random, so nearly every round commits one token: the speculative row is what a round
     costs against a plain step."""
-    prompt = [[(7 * i) % 1000 + 1 for i in range(context)]]
+    prompt = [[(7 * i) % min(1000, target.cfg.vocab_size - 1) + 1 for i in range(context)]]
     rows, outputs = [], {}
     for kind, d in (("plain", None), ("speculative", drafter)):
         def run(_, kind=kind, d=d):
@@ -458,6 +458,8 @@ def main():
     p.add_argument("--skip-variants", action="store_true", help="leave out the layer-loop, XLA-option and "
                    "projection variants (variant_rows; they run last, in the time left)")
     p.add_argument("--only-variants", action="store_true", help="only the variants, for every preset")
+    p.add_argument("--generate-contexts", default=None, help="prompt lengths of the rj.generate rows (default "
+                   "1024,8192; smoke: 64,256)")
     args = p.parse_args()
     stack = contextlib.ExitStack()  # held until main returns
     if args.pallas_interpret:
@@ -469,6 +471,9 @@ def main():
     batches, context, steps, new_tokens = ((1, 4), 64, 5, 24) if args.smoke else ((1, 8, 32), 1024, 20, 128)
     lengths = (512, 2048) if args.smoke else (8192, 32768)
     batches = batches if args.batches is None else tuple(int(x) for x in args.batches.split(","))
+    generate_contexts = (context, 256) if args.smoke else (context, 8192)
+    if args.generate_contexts is not None:
+        generate_contexts = tuple(int(x) for x in args.generate_contexts.split(","))
     lengths = lengths if args.prefill_lengths is None else tuple(int(x) for x in args.prefill_lengths.split(","))
     gbs = bandwidth(device)
     rows, skipped = [], []
@@ -513,7 +518,11 @@ def main():
         target = tiny_target(cfg=cfg, dtype=dtype)
         drafter = rj.init_drafter(cfg, mask_token_id=cfg.vocab_size - 1, num_layers=drafter_layers,
                                   block_size=block_size, dtype=dtype)
-        rows += generate_rows(name, target, drafter, context, new_tokens, 3)
+        for length in generate_contexts:  # rj.generate per token at a short and a long prompt
+            if length != generate_contexts[0] and time.perf_counter() - start > args.budget_s:
+                skipped.append(f"{name} generate at {length}")
+                continue
+            rows += generate_rows(name, target, drafter, length, new_tokens, 3)
         write()
         rows += decode_rows(name, target, drafter, block_size, batches, context, steps, dtype, gbs)
         write()

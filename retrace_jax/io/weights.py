@@ -353,10 +353,15 @@ def load_into(module: nnx.Module, specs: list[WeightSpec], reader: TensorReader,
 def export_tensors(module: nnx.Module, specs: list[WeightSpec]) -> dict[str, np.ndarray]:
     """The module's parameters as Hugging Face named ``[out, in]`` arrays."""
     flat = dict(nnx.to_flat_state(nnx.state(module, nnx.Param)))
-    out = {}
+    groups: dict[tuple, list[WeightSpec]] = {}
     for s in specs:
-        value = np.asarray(jax.device_get(flat[s.path].get_value()))
-        out[s.hf_name] = np.ascontiguousarray(s.to_hf(value if s.layer is None else value[s.layer]))
+        groups.setdefault(s.path, []).append(s)
+    tensors = {}
+    for path, group in groups.items():  # each parameter fetched once (a stacked or joined one holds several)
+        value = np.asarray(jax.device_get(flat[path].get_value()))
+        for s in group:
+            tensors[s.hf_name] = np.ascontiguousarray(s.to_hf(value if s.layer is None else value[s.layer]))
+    out = {s.hf_name: tensors[s.hf_name] for s in specs}  # in the table's order
     return out
 
 
