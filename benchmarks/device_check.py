@@ -153,12 +153,13 @@ def variant_rows(name, target, context, steps, gbs, budget_left):
             try:
                 init, step, kept, tokens = plain_step_program(tdef, tstate, 1, context, steps, "auto", loop,
                                                               parse_options(options) or None, copies)
-                c_init = compile_s(lambda: init(tstate, kept, tokens))
+                c_init = compile_s(lambda init=init, kept=kept, tokens=tokens: init(tstate, kept, tokens))
                 consts, carry = init(tstate, kept, tokens)
                 start = time.perf_counter()
                 hlo = step.lower(tstate, kept, consts, carry).compile().as_text()
                 c_step = time.perf_counter() - start
-                ms = median_ms_from(lambda c: step(tstate, kept, consts, c), carry, steps)
+                ms = median_ms_from(lambda c, step=step, kept=kept, consts=consts: step(tstate, kept, consts, c),
+                                    carry, steps)
             except Exception as e:  # noqa: BLE001  (an option a backend refuses is a result to report)
                 rows.append({"model": name, "what": what, "options": options or "default", "error": failure(e)})
                 continue

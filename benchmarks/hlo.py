@@ -92,8 +92,7 @@ def weight_copies(hlo: str, elements: set[int], whole_program: bool = False) -> 
 def layer_weight_elements(target) -> set[int]:
     """The element counts of one layer's weight matrices (every stacked parameter of two or more
     dimensions per layer) of a target."""
-    from flax import nnx
-
     import jax
+    from flax import nnx
 
     return {int(x[0].size) for x in jax.tree.leaves(nnx.state(target.layers)) if x.ndim >= 3}

@@ -276,7 +276,7 @@ def load_into(module: nnx.Module, specs: list[WeightSpec], reader: TensorReader,
             hf_index = None if index is None else (tuple(index[::-1]) if spec.transpose else tuple(index))
             return np.asarray(spec.convert(reader.get(aliases[spec.hf_name], hf_index)), dtype=dtype)
 
-        def read_part(spec, index):
+        def read_part(spec, index, one=one):
             """The region ``index`` (slices, one per axis) of the part of one layer's parameter that
             ``spec`` fills: the checkpoint rows of the part's first output axis in ``index``, read whole."""
             part = spec.part_shape(one)
@@ -289,21 +289,21 @@ def load_into(module: nnx.Module, specs: list[WeightSpec], reader: TensorReader,
             block = block.reshape(block.shape[:lead] + (stop - first,) + part[lead + 1:])
             return block[(slice(None),) * (lead + 1) + tuple(index[lead + 1:])]
 
-        def read_layer(specs, index):
+        def read_layer(specs, index, one=one, path=path):
             """One layer's parameter (or its region ``index``) from its checkpoint tensors."""
             if specs[0].part is None:
                 return read(specs[0], index)
             index = tuple(slice(None) for _ in one) if index is None else tuple(index)
             out = np.empty([len(range(*i.indices(n))) for i, n in zip(index, one)], dtype)
             for spec in specs:
-                axis, start, stop, squeeze = spec.part
+                axis, _, _, squeeze = spec.part
                 if index[axis].indices(one[axis]) != (0, one[axis], 1):
                     raise AssertionError(f"{path}: a shard splits the axis {axis} that joins {spec.hf_name}")
                 sub = tuple(slice(None) if i == axis else x for i, x in enumerate(index) if not (i == axis and squeeze))
                 out[spec.part_index(len(one))] = read_part(spec, sub)
             return out
 
-        def fill(dest, spec):
+        def fill(dest, spec, one=one):
             """Reads one tensor into ``dest`` (its place in the parameter) a block of rows at a time: no
             temporary copy of a whole large tensor (the untied LM head of Qwen2.5-Coder-0.5B is 545 MB).
             A part of a fused parameter is read a block of whole heads or neurons at a time."""
@@ -327,7 +327,7 @@ def load_into(module: nnx.Module, specs: list[WeightSpec], reader: TensorReader,
             for start in range(0, shape[0], step):
                 into[start:start + step] = reader.get(name, (slice(start, start + step),))
 
-        def read_shard(index, layers=layers, stacked=stacked):
+        def read_shard(index, layers=layers, stacked=stacked, expected=expected):
             if not stacked:
                 return read_layer(layers[None], index)
             return np.stack([read_layer(layers[i], index[1:]) for i in range(expected[0])[index[0]]])

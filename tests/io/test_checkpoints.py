@@ -322,7 +322,7 @@ def _tensors(directory):
 def test_load_then_save_gives_back_every_tensor_byte_for_byte(family, dtype, hf_model_dir, tmp_path):
     """The parameters join q/k/v and gate/up (one product each); the checkpoint keeps transformers'
     separate tensors, which a load and a save give back bit for bit (names, types, shapes, bytes)."""
-    model, directory = hf_model_dir(family)
+    _, directory = hf_model_dir(family)
     source = directory
     if dtype == "bfloat16":  # a checkpoint stored in bfloat16, loaded and saved in bfloat16
         source = str(tmp_path / "bf16")
