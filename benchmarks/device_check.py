@@ -1,7 +1,13 @@
 """The accelerator check: ``rj.generate`` end to end (plain and speculative), decode speed against the
 memory roofline, round cost, prefill, compile times, kernel parity and plain against speculative tokens,
-on Qwen3-4B- and Qwen3-8B-shaped random weights with the published 5-layer, block-16 drafter. Run through
-``scripts/device_check.sh``, which writes ``device_check.json`` and ``device_check.md``.
+on Qwen3-4B- and Qwen3-8B-shaped random weights with the published 5-layer, block-16 drafter; and the
+variants of issue 57 side by side, a row each: the layer loops (a scan, the unrolled loop over one copy of
+the weights, the unrolled loop over a second, per-layer copy) under XLA's default options and the option
+sets of ``VARIANT_OPTIONS``, each with the weight-sized instructions its decode step runs
+(``weight_copies``: a layer's weights copied per step) and the bytes it keeps beside the target; and the
+projection products joined (q/k/v, gate/up: one product each, the layout of the parameters) against
+separate. Run through ``scripts/device_check.sh``, which writes ``device_check.json`` and
+``device_check.md``.
 
     python benchmarks/device_check.py --out-dir results/        # on a GPU or TPU (bf16)
     python benchmarks/device_check.py --smoke --out-dir /tmp/x   # any machine: tiny shapes, a few minutes
@@ -28,6 +34,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import retrace_jax as rj  # noqa: E402
+from benchmarks.hlo import layer_weight_elements, weight_copies  # noqa: E402
 from benchmarks.report import median_ms_from  # noqa: E402
 from retrace_jax.attention import (  # noqa: E402
     PALLAS_GPU_MAX_T,
@@ -82,13 +89,14 @@ def weight_bytes(module) -> int:
 
 
 def plain_step_program(tdef, tstate, batch, context, steps, attention="auto", layer_loop="scan",
-                       compiler_options=None):
+                       compiler_options=None, per_layer_copies=False):
     """The jitted ``plain_init`` and ``plain_step`` (donating its carry) of ``batch`` rows of ``context``
     tokens with room for ``steps`` steps, and what they take besides the target's state: ``(init, step,
     kept, tokens)``, called as ``init(tstate, kept, tokens)`` and ``step(tstate, kept, consts, carry)``.
-    ``layer_loop="unrolled"`` runs the layers over per-layer copies of the weights, as ``generate`` can;
+    ``layer_loop="unrolled"`` runs the layers unrolled as ``generate`` does (off a single CPU device: static
+    slices of the stacked weights; ``per_layer_copies``: over a second, per-layer copy of them instead);
     ``compiler_options`` go to the step's ``jax.jit``."""
-    kept = decode_weights(nnx.merge(tdef, tstate), layer_loop, tstate)
+    kept = decode_weights(nnx.merge(tdef, tstate), layer_loop, tstate, per_layer_copies=per_layer_copies)
     sampling = SamplingParams.make()
     stops = jnp.full((8,), -1, jnp.int32)
     tokens = jnp.ones((batch, context), jnp.int32)
@@ -112,6 +120,114 @@ def plain_step_ms(tdef, tstate, batch, context, steps, attention="auto", layer_l
     with compile_seconds() as stages:  # the first call compiles the step
         ms = median_ms_from(lambda c: step(tstate, kept, consts, c), carry, steps)
     return ms, c_init + sum(stages.values())
+
+
+# XLA option sets compared side by side in variant_rows (as ``benchmarks/step_profile.py --options`` takes
+# them): a GPU's cuBLAS products reading a (dynamic-)slice of a stacked weight in place instead of a copy of
+# it, and CUDA graphs off (one launch per kernel) against XLA's default.
+VARIANT_OPTIONS = {"gpu": ("xla_gpu_enable_dynamic_slice_fusion=true", "xla_gpu_enable_command_buffer=")}
+LOOP_VARIANTS = (("scan", "scan", False), ("unrolled, one copy", "unrolled", False),
+                 ("unrolled, per-layer copies", "unrolled", True))
+
+
+def variant_rows(name, target, context, steps, gbs, budget_left):
+    """A plain decode step (batch 1, ``context`` tokens) per layer loop of :data:`LOOP_VARIANTS` and XLA
+    option set (``VARIANT_OPTIONS`` of the backend; the defaults first), with the weight-sized
+    instructions its loop runs per step (``weight_copies``, from the compiled HLO) and the bytes kept
+    beside the target (``kept_bytes``); then the projection products joined against separate
+    (:func:`projection_rows`). ``budget_left()``: seconds left; what does not fit is skipped."""
+    from benchmarks.step_profile import parse_options
+
+    rows = []
+    tdef, tstate = nnx.split(target)
+    sizes = layer_weight_elements(target)
+    wbytes = weight_bytes(target)
+    roof_ms = None if gbs is None else 1e3 * wbytes / (gbs * 1e9)
+    option_sets = ("",) + VARIANT_OPTIONS.get(jax.default_backend(), ())
+    for options in option_sets:
+        for label, loop, copies in LOOP_VARIANTS:
+            what = f"plain decode step ({label})"
+            if budget_left() < 0:
+                rows.append({"model": name, "what": what, "options": options or "default", "skipped": "time"})
+                continue
+            try:
+                init, step, kept, tokens = plain_step_program(tdef, tstate, 1, context, steps, "auto", loop,
+                                                              parse_options(options) or None, copies)
+                c_init = compile_s(lambda init=init, kept=kept, tokens=tokens: init(tstate, kept, tokens))
+                consts, carry = init(tstate, kept, tokens)
+                start = time.perf_counter()
+                hlo = step.lower(tstate, kept, consts, carry).compile().as_text()
+                c_step = time.perf_counter() - start
+                ms = median_ms_from(lambda c, step=step, kept=kept, consts=consts: step(tstate, kept, consts, c),
+                                    carry, steps)
+            except Exception as e:  # noqa: BLE001  (an option a backend refuses is a result to report)
+                rows.append({"model": name, "what": what, "options": options or "default", "error": failure(e)})
+                continue
+            rows.append({"model": name, "what": what, "options": options or "default", "batch": 1,
+                         "context": context, "ms": round(ms, 3), "tokens_per_s": round(1e3 / ms, 1),
+                         "of_roofline": None if roof_ms is None else round(roof_ms / ms, 2),
+                         "weight_copies": len(weight_copies(hlo, sizes, whole_program=True)),
+                         "kept_bytes": kept_bytes(kept, tstate),
+                         "compile_s": round(c_init + c_step, 1)})
+    if budget_left() > 0:
+        rows += projection_rows(name, target, steps)
+    return rows
+
+
+def kept_bytes(kept, state) -> int:
+    """Bytes of the arrays in ``kept`` (``decode_weights``) that are not views of the target's own arrays
+    (``state``): the memory that a layer loop adds beside the weights."""
+    def span(x):
+        try:
+            return x.unsafe_buffer_pointer(), x.nbytes
+        except Exception:  # noqa: BLE001  (a sharded array: no single buffer, counted whole)
+            return None
+
+    own = [s for s in map(span, jax.tree.leaves(state)) if s is not None]
+    total = 0
+    for x in jax.tree.leaves(kept):
+        where = span(x)
+        if where is None or not any(a <= where[0] < a + n for a, n in own):
+            total += x.nbytes
+    return total
+
+
+def projection_rows(name, target, steps):
+    """The decoder's projection products alone, batch 1, every layer unrolled over static slices of
+    stacked weights, in a loop of ``steps`` steps: q/k/v and gate/up joined (one product each, the
+    parameters' layout) against the same weights as five separate products (the layout before issue
+    57; the separate weights made here, for this measurement only). Milliseconds per step."""
+    cfg = target.cfg
+    layers = nnx.state(target.layers)
+    qkv = layers["self_attn"]["qkv_proj"]["kernel"].get_value()  # [L, d, K, R + 2, D]
+    gate_up = layers["mlp"]["gate_up_proj"]["kernel"].get_value()  # [L, d, 2, I]
+    d = cfg.hidden_size
+    joined = (qkv.reshape(cfg.num_layers, d, -1), gate_up.reshape(cfg.num_layers, d, -1))
+    r = cfg.num_heads // cfg.num_kv_heads
+    separate = tuple(jax.block_until_ready(x) for x in (
+        qkv[:, :, :, :r].reshape(cfg.num_layers, d, -1), qkv[:, :, :, r].reshape(cfg.num_layers, d, -1),
+        qkv[:, :, :, r + 1].reshape(cfg.num_layers, d, -1), gate_up[:, :, 0], gate_up[:, :, 1]))
+
+    @jax.jit
+    def run(weights, x):
+        def body(_, x):
+            y = x
+            for layer in range(cfg.num_layers):
+                outs = [jnp.dot(y, w[layer]) for w in weights]
+                y = y + sum(jnp.sum(o, -1, keepdims=True).astype(y.dtype) for o in outs) * 1e-3  # each layer needs the last
+            return y
+        return jax.lax.fori_loop(0, 8, body, x)
+
+    x = jnp.ones((1, d), target.dtype)
+    rows = []
+    for label, weights in (("joined", joined), ("separate", separate)):
+        c = compile_s(lambda weights=weights: run(weights, x))
+        ms = median_ms_from(lambda _, weights=weights: run(weights, x), (), steps) / 8
+        rows.append({"model": name, "what": f"projection products ({label})", "batch": 1, "ms": round(ms, 3),
+                     "compile_s": round(c, 1)})
+    rows[-1]["vs_joined"] = round(rows[-1]["ms"] / rows[0]["ms"], 2)
+    del separate
+    return rows
 
 
 def decode_rows(name, target, drafter, block_size, batches, context, steps, dtype, gbs):
@@ -213,7 +329,7 @@ def generate_rows(name, target, drafter, context, new_tokens, repeats):
     1: milliseconds per new token, the median of ``repeats`` calls after a compiling one. The drafter's
     weights are random, so nearly every round commits one token: the speculative row is what a round
     costs against a plain step."""
-    prompt = [[(7 * i) % 1000 + 1 for i in range(context)]]
+    prompt = [[(7 * i) % min(1000, target.cfg.vocab_size - 1) + 1 for i in range(context)]]
     rows, outputs = [], {}
     for kind, d in (("plain", None), ("speculative", drafter)):
         def run(_, kind=kind, d=d):
@@ -340,6 +456,11 @@ def main():
     p.add_argument("--lossless-only", action="store_true", help="only the lossless rows (plain against "
                    "speculative tokens in float32, at the default and the highest matmul precision, and "
                    "bfloat16) of each preset")
+    p.add_argument("--skip-variants", action="store_true", help="leave out the layer-loop, XLA-option and "
+                   "projection variants (variant_rows; they run last, in the time left)")
+    p.add_argument("--only-variants", action="store_true", help="only the variants, for every preset")
+    p.add_argument("--generate-contexts", default=None, help="prompt lengths of the rj.generate rows (default "
+                   "1024,8192; smoke: 64,256)")
     args = p.parse_args()
     stack = contextlib.ExitStack()  # held until main returns
     if args.pallas_interpret:
@@ -351,6 +472,9 @@ def main():
     batches, context, steps, new_tokens = ((1, 4), 64, 5, 24) if args.smoke else ((1, 8, 32), 1024, 20, 128)
     lengths = (512, 2048) if args.smoke else (8192, 32768)
     batches = batches if args.batches is None else tuple(int(x) for x in args.batches.split(","))
+    generate_contexts = (context, 256) if args.smoke else (context, 8192)
+    if args.generate_contexts is not None:
+        generate_contexts = tuple(int(x) for x in args.generate_contexts.split(","))
     lengths = lengths if args.prefill_lengths is None else tuple(int(x) for x in args.prefill_lengths.split(","))
     gbs = bandwidth(device)
     rows, skipped = [], []
@@ -368,6 +492,19 @@ def main():
             f.write(text)
         return text
 
+    def variants():  # after the rest (or alone, --only-variants), in the time left
+        for name in presets:
+            cfg = PRESETS[name][0]
+            target = tiny_target(cfg=cfg, dtype=dtype)
+            rows.extend(variant_rows(name, target, context, steps, gbs,
+                                     lambda: args.budget_s - (time.perf_counter() - start)))
+            del target
+            write()
+
+    if args.only_variants:
+        variants()
+        print(write(final=True))
+        return
     if not args.lossless_only:
         rows += parity_rows(jnp.float32 if args.smoke else dtype)
         write()
@@ -382,7 +519,11 @@ def main():
         target = tiny_target(cfg=cfg, dtype=dtype)
         drafter = rj.init_drafter(cfg, mask_token_id=cfg.vocab_size - 1, num_layers=drafter_layers,
                                   block_size=block_size, dtype=dtype)
-        rows += generate_rows(name, target, drafter, context, new_tokens, 3)
+        for length in generate_contexts:  # rj.generate per token at a short and a long prompt
+            if length != generate_contexts[0] and time.perf_counter() - start > args.budget_s:
+                skipped.append(f"{name} generate at {length}")
+                continue
+            rows += generate_rows(name, target, drafter, length, new_tokens, 3)
         write()
         rows += decode_rows(name, target, drafter, block_size, batches, context, steps, dtype, gbs)
         write()
@@ -394,6 +535,8 @@ def main():
             continue
         rows += lossless_rows(name, cfg, block_size, new_tokens // 2)
         write()
+    if not (args.lossless_only or args.skip_variants):
+        variants()
     print(write(final=True))
 
 

@@ -3,6 +3,8 @@
 # $OUT (the device tool's output folder) or to ./device_check/, and prints the table.
 #   bash scripts/device_check.sh            # on a GPU or TPU
 #   bash scripts/device_check.sh --smoke    # anywhere: tiny shapes (a few minutes on a CPU)
+#   bash scripts/device_check.sh --only-variants   # issue 57's rows alone: layer loops x XLA option sets
+#                                                  # (with weight copies per step), projections joined or not
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-device_check}"

@@ -1,7 +1,8 @@
 """How the decode programs run the target's layers: one ``lax.scan`` over the stacked blocks, or an
-unrolled Python loop over per-layer weights that are made once and kept beside the target (on one CPU
-device, views of the stacked arrays' memory; else copies), with the LM head laid out for the CPU's matrix
-products."""
+unrolled Python loop over per-layer weights: on one CPU device, views of the stacked arrays' memory that
+are made once and kept beside the target; elsewhere the stacked arrays themselves, indexed statically
+where each layer runs (one copy of the weights in either case). The LM head is laid out for the CPU's
+matrix products."""
 
 from __future__ import annotations
 
@@ -21,14 +22,16 @@ LAYER_LOOPS = ("auto", "scan", "unrolled")
 class DecodeWeights:
     """The target's weights as an unrolled decode program reads them instead of the stacked ones.
 
-    ``layers``: one parameter pytree per layer: views of the stacked arrays' memory on one CPU device,
-    else copies (:meth:`TargetModel.layer_slices`). ``head_dv``: a tied
+    ``layers``: one parameter pytree per layer: views of the stacked arrays' memory on one CPU device;
+    None elsewhere (the program indexes the stacked arrays: :meth:`TargetModel.unroll_in_place`), or
+    copies (:meth:`TargetModel.layer_slices`) when asked for (``per_layer_copies``, to measure them
+    against the other two). ``head_dv``: a tied
     LM head as ``[d, V]`` (None for an untied head, whose kernel is ``[d, V]`` already). XLA's CPU
     backend multiplies several rows by a ``[V, d]`` matrix contracted on ``d`` several times more slowly
     than by the same matrix laid out ``[d, V]`` (``benchmarks/lm_head.py``), and a verify pass or a drafted
     block multiplies 8-16 rows by the head at every round."""
 
-    layers: list
+    layers: list | None
     head_dv: jax.Array | None
 
 
@@ -50,22 +53,26 @@ def merge_target(graphdef, state, layer_loop: str = "auto", kept: DecodeWeights 
         return model
     if kept is None:
         return model.unroll_layers()
-    return model.unroll_layers(kept.layers).with_head_dv(kept.head_dv)
+    model = model.unroll_in_place() if kept.layers is None else model.unroll_layers(kept.layers)
+    return model.with_head_dv(kept.head_dv)
 
 
-_KEPT = weakref.WeakKeyDictionary()  # target -> (the arrays the copies were made from, DecodeWeights)
+_KEPT = weakref.WeakKeyDictionary()  # target -> (the arrays they were made from, DecodeWeights, per_layer_copies)
 
 
-def decode_weights(target: TargetModel, layer_loop: str = "auto", state: nnx.State | None = None) -> DecodeWeights | None:
+def decode_weights(target: TargetModel, layer_loop: str = "auto", state: nnx.State | None = None,
+                   per_layer_copies: bool = False) -> DecodeWeights | None:
     """The weights an unrolled program reads (``None`` for a scan), made once and kept beside the target
-    while it lives: the layer weights one array per layer, which an unrolled program would otherwise slice
-    out at every call (one copy of the weights per call, and one compiled slice per layer and weight,
-    which adds much compile time to a deep model; docs/performance.md measures it), and a tied head's
-    ``[d, V]`` copy. On one CPU device the per-layer arrays are views of the stacked arrays' memory
-    (:func:`_layer_views`), elsewhere a second copy of the layer weights. They are remade when the
-    target's arrays change (JAX arrays are immutable, so new weights are new arrays). ``state``: the
-    target's ``nnx.state``, when the caller has it already (it saves walking the target's graph once
-    more)."""
+    while it lives. On one CPU device, the layer weights one array per layer, views of the stacked
+    arrays' memory (:func:`_layer_views`): XLA's CPU backend copies a layer's weights out of a stacked
+    array at every step (docs/performance.md measures it), and slicing them inside each program would
+    also add one compiled slice per layer and weight. Elsewhere no layer arrays (``layers`` None): the
+    program indexes the stacked arrays where each layer runs (:meth:`TargetModel.unroll_in_place`),
+    so the weights stay one copy; ``per_layer_copies`` makes a second copy of them instead, one array
+    per layer (what this function kept before; ``benchmarks/device_check.py`` compares the two). A tied
+    head gets its ``[d, V]`` copy. They are remade when the target's arrays change (JAX arrays are
+    immutable, so new weights are new arrays). ``state``: the target's ``nnx.state``, when the caller has
+    it already (it saves walking the target's graph once more)."""
     if resolve_layer_loop(layer_loop) != "unrolled":
         return None
     state = nnx.state(target) if state is None else state
@@ -74,19 +81,20 @@ def decode_weights(target: TargetModel, layer_loop: str = "auto", state: nnx.Sta
     if tied:
         leaves.append(state["embed_tokens"]["embedding"].get_value())
     kept = _KEPT.get(target)
-    if kept is not None and len(kept[0]) == len(leaves) and all(a is b for a, b in zip(kept[0], leaves)):
+    if (kept is not None and kept[2] == per_layer_copies and len(kept[0]) == len(leaves)
+            and all(a is b for a, b in zip(kept[0], leaves))):
         return kept[1]
-    layers = _layer_views(target) or target.layer_slices()
+    layers = target.layer_slices() if per_layer_copies else _layer_views(target)
     weights = DecodeWeights(layers, _transposed(leaves[-1]) if tied else None)
-    _KEPT[target] = (tuple(leaves), weights)
+    _KEPT[target] = (tuple(leaves), weights, per_layer_copies)
     return weights
 
 
 def _layer_views(target: TargetModel) -> list | None:
     """The stacked blocks' parameters as one pytree per layer whose arrays share the stacked arrays' memory
     (no second copy of the layer weights: 1.41 GB for Qwen2.5-Coder-0.5B in float32), where every stacked
-    array lies whole in one CPU device's memory; else None (sharded or accelerator arrays: the copies of
-    :meth:`TargetModel.layer_slices`). A program reads such a view as it reads a copy, so decoding is as
+    array lies whole in one CPU device's memory; else None (sharded or accelerator arrays: the program
+    indexes the stacked arrays, :meth:`TargetModel.unroll_in_place`). A program reads such a view as it reads a copy, so decoding is as
     fast. JAX keeps the stacked arrays' memory while a view of it lives, and never writes into it (a
     program given a view to donate copies it instead)."""
     _, params = nnx.split(target.layers)

@@ -29,24 +29,67 @@ LOAD_BLOCK_BYTES = 64 << 20
 @dataclasses.dataclass(frozen=True)
 class WeightSpec:
     """One tensor: its Hugging Face name, its NNX state path, whether it is stored ``[out, in]``, and the
-    logical axes of its dimensions (for sharding; see ``retrace_jax.parallel.sharding.LOGICAL_RULES``).
-    ``layer`` is set for one layer's slice of a parameter stacked over layers (the target's decoder
-    blocks)."""
+    logical axes of its parameter's dimensions (for sharding; see
+    ``retrace_jax.parallel.sharding.LOGICAL_RULES``). ``layer`` is set for one layer's slice of a parameter
+    stacked over layers (the target's decoder blocks). ``part`` is set for one of the tensors that a fused
+    parameter joins (q/k/v, gate/up): ``(axis, start, stop, squeeze)``, the range ``start:stop`` of the
+    (one layer's) parameter's ``axis`` that holds it, that axis dropped when ``squeeze``. The part's other
+    axes, after the first (a kernel's input axis) or from the first (a bias), merge into the tensor's
+    output axis in order (row-major)."""
 
     hf_name: str
     path: tuple
     transpose: bool = False
     axes: tuple = (None,)
     layer: int | None = None
+    part: tuple[int, int, int, bool] | None = None
 
     @property
     def param_axes(self) -> tuple:
         """The logical axes of the whole parameter (a stacked one has a leading, unsharded layer axis)."""
         return self.axes if self.layer is None else (None,) + tuple(self.axes)
 
+    def part_index(self, ndim: int) -> tuple:
+        """The index of this tensor in one layer's parameter of ``ndim`` dimensions (all of it: ``()``)."""
+        if self.part is None:
+            return ()
+        axis, start, stop, squeeze = self.part
+        return (slice(None),) * axis + (start if squeeze else slice(start, stop),) + (slice(None),) * (ndim - axis - 1)
+
+    def part_shape(self, shape: tuple) -> tuple:
+        """The shape of this tensor's part of one layer's parameter of ``shape``."""
+        if self.part is None:
+            return tuple(shape)
+        axis, start, stop, squeeze = self.part
+        return tuple(shape[:axis]) + (() if squeeze else (stop - start,)) + tuple(shape[axis + 1:])
+
+    def _merged(self, part_shape: tuple) -> tuple:
+        """The part's shape with its output axes merged: the tensor's shape in the parameter's layout."""
+        if self.part is None:
+            return tuple(part_shape)
+        lead = 1 if self.transpose else 0
+        return tuple(part_shape[:lead]) + (int(np.prod(part_shape[lead:], dtype=np.int64)),)
+
+    def hf_shape(self, shape: tuple) -> tuple:
+        """The checkpoint tensor's shape for one layer's parameter of ``shape``."""
+        merged = self._merged(self.part_shape(shape))
+        return merged[::-1] if self.transpose else merged
+
     def convert(self, array: np.ndarray) -> np.ndarray:
-        """Checkpoint layout <-> parameter layout (the same operation both ways)."""
+        """Checkpoint layout <-> parameter layout, for a tensor that is a whole parameter (the same
+        operation both ways)."""
         return array.T if self.transpose else array
+
+    def to_hf(self, value: np.ndarray) -> np.ndarray:
+        """The checkpoint tensor from one layer's parameter ``value``."""
+        part = value[self.part_index(value.ndim)]
+        return self.convert(part.reshape(self._merged(part.shape)))
+
+    def unit(self, shape: tuple) -> int:
+        """Checkpoint rows (output features) per index of the part's first output axis: reads of whole
+        such indices (heads, neurons) fill a part block by block."""
+        part = self.part_shape(shape)
+        return int(np.prod(part[(1 if self.transpose else 0) + 1:], dtype=np.int64))
 
 
 def linear_specs(hf_prefix: str, path: tuple, bias: bool, axes=(None, None), layer=None) -> list[WeightSpec]:
@@ -57,11 +100,28 @@ def linear_specs(hf_prefix: str, path: tuple, bias: bool, axes=(None, None), lay
     return specs
 
 
-QKVO_AXES = {"q_proj": ("embed", "heads"), "k_proj": ("embed", "kv_heads"), "v_proj": ("embed", "kv_heads"),
-             "o_proj": ("heads", "embed")}
+def fused_specs(hf_prefix: str, names: tuple[str, ...], path: tuple, bias: bool, axes: tuple, axis: int,
+                sizes: tuple[int, ...], layer=None) -> list[WeightSpec]:
+    """The separate checkpoint tensors ``{hf_prefix}.{name}`` of one fused dense layer (``layers.Projection``,
+    kernel ``[in, *out]`` with logical ``axes``): ``name`` fills ``sizes[i]`` entries of the kernel's
+    ``axis`` (size 1: that axis dropped), one after the other."""
+    specs, start = [], 0
+    for name, size in zip(names, sizes):
+        part = (axis, start, start + size, size == 1)
+        specs.append(WeightSpec(f"{hf_prefix}.{name}.weight", path + ("kernel",), True, tuple(axes), layer, part))
+        if bias:
+            specs.append(WeightSpec(f"{hf_prefix}.{name}.bias", path + ("bias",), False, tuple(axes[1:]), layer,
+                                    (axis - 1, start, start + size, size == 1)))
+        start += size
+    return specs
 
 
-MLP_AXES = {"gate_proj": ("embed", "mlp"), "up_proj": ("embed", "mlp"), "down_proj": ("mlp", "embed")}
+# logical axes of the fused kernels: qkv_proj [d, K, H/K + 2, D] (split over KV heads: each shard holds its
+# KV heads' query heads), gate_up_proj [d, 2, I] (split over neurons: each shard its neurons' gate and up)
+QKV_AXES = ("embed", "kv_heads", None, None)
+GATE_UP_AXES = ("embed", None, "mlp")
+O_AXES = ("heads", "embed")
+DOWN_AXES = ("mlp", "embed")
 
 
 def norm_spec(hf_prefix: str, path: tuple, layer=None) -> WeightSpec:
@@ -69,18 +129,20 @@ def norm_spec(hf_prefix: str, path: tuple, layer=None) -> WeightSpec:
 
 
 def mlp_specs(hf_prefix: str, path: tuple, bias: bool, layer=None) -> list[WeightSpec]:
-    return [s for name, axes in MLP_AXES.items()
-            for s in linear_specs(f"{hf_prefix}.{name}", path + (name,), bias, axes, layer)]
+    return (fused_specs(hf_prefix, ("gate_proj", "up_proj"), path + ("gate_up_proj",), bias, GATE_UP_AXES, 1,
+                        (1, 1), layer)
+            + linear_specs(f"{hf_prefix}.down_proj", path + ("down_proj",), bias, DOWN_AXES, layer))
 
 
 def block_specs(hf: str, path: tuple, qkv_bias: bool, o_bias: bool, mlp_bias: bool, qk_norm: bool,
-                layer=None) -> list[WeightSpec]:
-    """One decoder block (``layers.DecoderBlock``), target and drafter alike."""
+                queries_per_kv: int, layer=None) -> list[WeightSpec]:
+    """One decoder block (``layers.DecoderBlock``), target and drafter alike; ``queries_per_kv``: query
+    heads per KV head (``H / K``)."""
     specs = [norm_spec(f"{hf}.input_layernorm", path + ("input_layernorm",), layer),
              norm_spec(f"{hf}.post_attention_layernorm", path + ("post_attention_layernorm",), layer)]
-    for name, axes in QKVO_AXES.items():
-        bias = o_bias if name == "o_proj" else qkv_bias
-        specs += linear_specs(f"{hf}.self_attn.{name}", path + ("self_attn", name), bias, axes, layer)
+    specs += fused_specs(f"{hf}.self_attn", ("q_proj", "k_proj", "v_proj"), path + ("self_attn", "qkv_proj"),
+                         qkv_bias, QKV_AXES, 2, (queries_per_kv, 1, 1), layer)
+    specs += linear_specs(f"{hf}.self_attn.o_proj", path + ("self_attn", "o_proj"), o_bias, O_AXES, layer)
     if qk_norm:
         specs.append(norm_spec(f"{hf}.self_attn.q_norm", path + ("self_attn", "q_norm"), layer))
         specs.append(norm_spec(f"{hf}.self_attn.k_norm", path + ("self_attn", "k_norm"), layer))
@@ -92,7 +154,7 @@ def target_specs(cfg: ModelConfig) -> list[WeightSpec]:
     specs = [WeightSpec("model.embed_tokens.weight", ("embed_tokens", "embedding"), axes=("vocab", "embed"))]
     for i in range(cfg.num_layers):
         specs += block_specs(f"model.layers.{i}", ("layers",), cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias, cfg.qk_norm,
-                             layer=i)
+                             cfg.num_heads // cfg.num_kv_heads, layer=i)
     specs.append(norm_spec("model.norm", ("norm",)))
     if not cfg.tie_word_embeddings:
         specs += linear_specs("lm_head", ("lm_head",), False, ("embed", "vocab"))
@@ -104,7 +166,8 @@ def drafter_specs(cfg: DrafterConfig) -> list[WeightSpec]:
     specs = [WeightSpec("fc.weight", ("fc", "kernel"), transpose=True, axes=(None, "embed")),
              norm_spec("hidden_norm", ("hidden_norm",)), norm_spec("norm", ("norm",))]
     for i in range(cfg.num_layers):
-        specs += block_specs(f"layers.{i}", ("layers", i), cfg.attention_bias, cfg.attention_bias, False, True)
+        specs += block_specs(f"layers.{i}", ("layers", i), cfg.attention_bias, cfg.attention_bias, False, True,
+                             cfg.num_heads // cfg.num_kv_heads)
     return specs
 
 
@@ -196,13 +259,14 @@ def load_into(module: nnx.Module, specs: list[WeightSpec], reader: TensorReader,
     for path, group in groups.items():
         expected = tuple(flat[path].get_value().shape)
         stacked = group[0].layer is not None
-        if stacked:
-            group = sorted(group, key=lambda s: s.layer)
-            if [s.layer for s in group] != list(range(expected[0])):
-                raise AssertionError(f"stacked parameter {path} has {expected[0]} layers, specs {len(group)}")
+        one = expected[1:] if stacked else expected
+        layers = {}  # layer (None: not stacked) -> its specs
         for spec in group:
-            one = expected[1:] if stacked else expected
-            hf_expected = one[::-1] if spec.transpose else one
+            layers.setdefault(spec.layer, []).append(spec)
+        if stacked and sorted(layers) != list(range(expected[0])):
+            raise AssertionError(f"stacked parameter {path} has {expected[0]} layers, specs {len(layers)}")
+        for spec in group:
+            hf_expected = spec.hf_shape(one)
             reader.check_floating(aliases[spec.hf_name])
             if reader.shape(aliases[spec.hf_name]) != hf_expected:
                 raise CheckpointError(f"tensor {spec.hf_name} has shape {reader.shape(aliases[spec.hf_name])}, "
@@ -212,11 +276,49 @@ def load_into(module: nnx.Module, specs: list[WeightSpec], reader: TensorReader,
             hf_index = None if index is None else (tuple(index[::-1]) if spec.transpose else tuple(index))
             return np.asarray(spec.convert(reader.get(aliases[spec.hf_name], hf_index)), dtype=dtype)
 
-        def fill(dest, spec):
+        def read_part(spec, index, one=one):
+            """The region ``index`` (slices, one per axis) of the part of one layer's parameter that
+            ``spec`` fills: the checkpoint rows of the part's first output axis in ``index``, read whole."""
+            part = spec.part_shape(one)
+            lead = 1 if spec.transpose else 0
+            first, stop, _ = index[lead].indices(part[lead])
+            unit = spec.unit(one)
+            rows = (slice(first * unit, stop * unit),)
+            block = reader.get(aliases[spec.hf_name], rows + ((index[0],) if spec.transpose else ()))
+            block = np.asarray(spec.convert(block), dtype=dtype)
+            block = block.reshape(block.shape[:lead] + (stop - first,) + part[lead + 1:])
+            return block[(slice(None),) * (lead + 1) + tuple(index[lead + 1:])]
+
+        def read_layer(specs, index, one=one, path=path):
+            """One layer's parameter (or its region ``index``) from its checkpoint tensors."""
+            if specs[0].part is None:
+                return read(specs[0], index)
+            index = tuple(slice(None) for _ in one) if index is None else tuple(index)
+            out = np.empty([len(range(*i.indices(n))) for i, n in zip(index, one)], dtype)
+            for spec in specs:
+                axis, _, _, squeeze = spec.part
+                if index[axis].indices(one[axis]) != (0, one[axis], 1):
+                    raise AssertionError(f"{path}: a shard splits the axis {axis} that joins {spec.hf_name}")
+                sub = tuple(slice(None) if i == axis else x for i, x in enumerate(index) if not (i == axis and squeeze))
+                out[spec.part_index(len(one))] = read_part(spec, sub)
+            return out
+
+        def fill(dest, spec, one=one):
             """Reads one tensor into ``dest`` (its place in the parameter) a block of rows at a time: no
-            temporary copy of a whole large tensor (the untied LM head of Qwen2.5-Coder-0.5B is 545 MB)."""
+            temporary copy of a whole large tensor (the untied LM head of Qwen2.5-Coder-0.5B is 545 MB).
+            A part of a fused parameter is read a block of whole heads or neurons at a time."""
             name = aliases[spec.hf_name]
             shape = reader.shape(name)
+            if spec.part is not None:
+                dest = dest[spec.part_index(dest.ndim)]
+                lead = 1 if spec.transpose else 0
+                per = spec.unit(one) * max(1, int(np.prod(shape[1:], dtype=np.int64)))  # bytes/itemsize per index
+                step = max(1, LOAD_BLOCK_BYTES // max(1, per * np.dtype(dtype).itemsize))
+                for start in range(0, dest.shape[lead], step):
+                    stop = min(start + step, dest.shape[lead])
+                    index = (slice(None),) * lead + (slice(start, stop),)
+                    dest[index] = read_part(spec, index + (slice(None),) * (dest.ndim - lead - 1))
+                return
             into = spec.convert(dest)  # a view in the checkpoint's layout
             if not shape:
                 into[...] = reader.get(name)
@@ -225,10 +327,10 @@ def load_into(module: nnx.Module, specs: list[WeightSpec], reader: TensorReader,
             for start in range(0, shape[0], step):
                 into[start:start + step] = reader.get(name, (slice(start, start + step),))
 
-        def read_shard(index, group=group, stacked=stacked):
+        def read_shard(index, layers=layers, stacked=stacked, expected=expected):
             if not stacked:
-                return read(group[0], index)
-            return np.stack([read(group[i], index[1:]) for i in range(len(group))[index[0]]])
+                return read_layer(layers[None], index)
+            return np.stack([read_layer(layers[i], index[1:]) for i in range(expected[0])[index[0]]])
 
         if mesh is None:  # filled in place and handed to JAX, which takes it without a copy on a CPU
             value = host_empty(expected, dtype)
@@ -251,10 +353,15 @@ def load_into(module: nnx.Module, specs: list[WeightSpec], reader: TensorReader,
 def export_tensors(module: nnx.Module, specs: list[WeightSpec]) -> dict[str, np.ndarray]:
     """The module's parameters as Hugging Face named ``[out, in]`` arrays."""
     flat = dict(nnx.to_flat_state(nnx.state(module, nnx.Param)))
-    out = {}
+    groups: dict[tuple, list[WeightSpec]] = {}
     for s in specs:
-        value = np.asarray(jax.device_get(flat[s.path].get_value()))
-        out[s.hf_name] = np.ascontiguousarray(s.convert(value if s.layer is None else value[s.layer]))
+        groups.setdefault(s.path, []).append(s)
+    tensors = {}
+    for path, group in groups.items():  # each parameter fetched once (a stacked or joined one holds several)
+        value = np.asarray(jax.device_get(flat[path].get_value()))
+        for s in group:
+            tensors[s.hf_name] = np.ascontiguousarray(s.to_hf(value if s.layer is None else value[s.layer]))
+    out = {s.hf_name: tensors[s.hf_name] for s in specs}  # in the table's order
     return out
 
 

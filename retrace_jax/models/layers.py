@@ -122,16 +122,48 @@ def linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear
     )
 
 
+class Projection(nnx.Module):
+    """A dense layer whose output has several axes: ``x [..., din] -> [..., *out]``, the kernel stored
+    ``[din, *out]`` (one product: the kernel is read as ``[din, prod(out)]``). The fused projections of the
+    decoder block are such layers (:class:`Attention`'s q/k/v, :class:`MLP`'s gate/up), laid out so that
+    splitting their head or neuron axis over devices gives each device matching parts
+    (``retrace_jax/io/weights.py`` maps them to the checkpoints' separate tensors)."""
+
+    def __init__(self, din: int, out: tuple[int, ...], bias: bool, dtype, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (din,) + tuple(out), dtype))
+        self.bias = nnx.Param(jnp.zeros(tuple(out), dtype)) if bias else None
+        self.dtype = dtype
+
+    def __call__(self, x, part: slice | None = None):
+        """``x [..., din] -> [..., *out]``; with ``part``, only that slice of the second output axis
+        (``kernel[:, :, part]``: the keys and values of ``qkv_proj``)."""
+        kernel = self.kernel[...]
+        bias = None if self.bias is None else self.bias[...]
+        if part is not None:
+            kernel, bias = kernel[:, :, part], None if bias is None else bias[:, part]
+        # as nnx.Linear: input, kernel and bias in the module's dtype (a bfloat16-stored kernel of a float32
+        # module is promoted back exactly: bfloat16_kernels)
+        x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
+        y = products(x, kernel.reshape(kernel.shape[0], -1), (((x.ndim - 1,), (0,)), ((), ())))
+        y = y.reshape(x.shape[:-1] + kernel.shape[1:])
+        return y if bias is None else y + bias.astype(self.dtype)
+
+
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``, gate and up one product (``gate_up_proj``,
+    kernel ``[d, 2, I]``: index 0 the gate, 1 the up projection)."""
 
     def __init__(self, dim: int, hidden: int, bias: bool, dtype, rngs: nnx.Rngs):
-        self.gate_proj = linear(dim, hidden, bias, dtype, rngs)
-        self.up_proj = linear(dim, hidden, bias, dtype, rngs)
+        self.gate_up_proj = Projection(dim, (2, hidden), bias, dtype, rngs)
         self.down_proj = linear(hidden, dim, bias, dtype, rngs)
 
+    def activations(self, x):
+        """``silu(gate(x)) * up(x)`` ``[..., I]``: the input of the down projection."""
+        gate_up = self.gate_up_proj(x)
+        return jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
+
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.activations(x))
 
 
 def rope(x_bthd, positions_bt, theta: float):
@@ -144,6 +176,36 @@ def rope(x_bthd, positions_bt, theta: float):
     x1, x2 = jnp.split(x_bthd, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return x_bthd * cos + rotated * sin
+
+
+# The separate projections that the joined parameters hold, in their order along the joined axis (the
+# layouts: Attention and MLP). Checkpoints keep them separate (retrace_jax/io/weights.py); training
+# checkpoints written before the joining hold them too (retrace_jax/training/checkpoints.py).
+JOINED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def separate_projections(name: str, joined) -> tuple:
+    """The separate parts of a joined kernel (``[..., d, *out]``) or bias (``[..., *out]``) of ``name``
+    (a key of :data:`JOINED`), each with its output axes merged as in ``nnx.Linear``:
+    ``qkv_proj`` ``[..., K, R + 2, D]`` -> q ``[..., K*R*D]``, k and v ``[..., K*D]``; ``gate_up_proj``
+    ``[..., 2, I]`` -> gate and up ``[..., I]``."""
+    if name == "gate_up_proj":
+        return joined[..., 0, :], joined[..., 1, :]
+    lead, (kv, r2, d) = joined.shape[:-3], joined.shape[-3:]
+    r = r2 - 2
+    return (joined[..., :r, :].reshape(lead + (kv * r * d,)), joined[..., r, :].reshape(lead + (kv * d,)),
+            joined[..., r + 1, :].reshape(lead + (kv * d,)))
+
+
+def join_projections(name: str, parts, shape: tuple):
+    """The joined parameter of ``name`` and ``shape`` from its separate parts (:func:`separate_projections`
+    inverted)."""
+    if name == "gate_up_proj":
+        return jnp.stack(parts, axis=-2)
+    lead, (kv, r2, d) = tuple(shape[:-3]), tuple(shape[-3:])
+    q, k, v = parts
+    return jnp.concatenate([q.reshape(lead + (kv, r2 - 2, d)), k.reshape(lead + (kv, 1, d)),
+                            v.reshape(lead + (kv, 1, d))], axis=-2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,41 +231,54 @@ Attend = Callable[..., tuple]
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention: projections, optional q/k RMSNorm, RoPE at absolute positions."""
+    """Grouped-query attention: projections, optional q/k RMSNorm, RoPE at absolute positions.
+
+    q, k and v are one product (``qkv_proj``, kernel ``[d, K, R + 2, D]`` with ``R = H / K``): for each KV
+    head ``g`` its ``R`` query heads ``g*R .. g*R+R-1`` (the heads that attend to it), then its key, then its
+    value. Split over the ``K`` axis, every device holds matching query, key and value heads."""
 
     def __init__(self, spec: BlockSpec, dtype, rngs: nnx.Rngs):
         d, h, kv, hd = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.q_proj = linear(d, h * hd, spec.qkv_bias, dtype, rngs)
-        self.k_proj = linear(d, kv * hd, spec.qkv_bias, dtype, rngs)
-        self.v_proj = linear(d, kv * hd, spec.qkv_bias, dtype, rngs)
+        if h % kv:
+            raise ValueError(f"num_heads {h} is not a multiple of num_kv_heads {kv}")
+        self.qkv_proj = Projection(d, (kv, h // kv + 2, hd), spec.qkv_bias, dtype, rngs)
         self.o_proj = linear(h * hd, d, spec.o_bias, dtype, rngs)
         if spec.qk_norm:
             self.q_norm = RMSNorm(hd, spec.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(hd, spec.rms_norm_eps, dtype=dtype)
         self.spec = spec
 
-    def keys_values(self, x_btd, positions_bt):
-        """Keys (normed when the model has q/k norms, rotated) and values ``[B, T, K, D]`` of ``x``."""
+    def _finish(self, q, k, v, positions_bt):
+        """q ``[B, T, H, D]`` and k, v ``[B, T, K, D]`` as projected: normed (q/k norms), rotated."""
         spec = self.spec
-        b, t, _ = x_btd.shape
-        k = self.k_proj(x_btd).reshape(b, t, spec.num_kv_heads, spec.head_dim)
-        v = self.v_proj(x_btd).reshape(b, t, spec.num_kv_heads, spec.head_dim)
         if spec.qk_norm:
+            q = None if q is None else self.q_norm(q)
             k = self.k_norm(k)
-        return rope(k, positions_bt, spec.rope_theta), v
+        q = None if q is None else rope(q, positions_bt, spec.rope_theta)
+        return q, rope(k, positions_bt, spec.rope_theta), v
 
-    def queries(self, x_btd, positions_bt):
+    def keys_values(self, x_btd, positions_bt):
+        """Keys (normed when the model has q/k norms, rotated) and values ``[B, T, K, D]`` of ``x``: the
+        product with the key and value part of ``qkv_proj`` alone (the drafter's context)."""
+        r = self.spec.num_heads // self.spec.num_kv_heads
+        kv = self.qkv_proj(x_btd, slice(r, None))  # [B, T, K, 2, D]
+        _, k, v = self._finish(None, kv[..., 0, :], kv[..., 1, :], positions_bt)
+        return k, v
+
+    def project(self, x_btd, positions_bt):
+        """Queries ``[B, T, H, D]``, keys and values ``[B, T, K, D]`` of ``x``: one product, then the q/k
+        norms and RoPE."""
         spec = self.spec
         b, t, _ = x_btd.shape
-        q = self.q_proj(x_btd).reshape(b, t, spec.num_heads, spec.head_dim)
-        if spec.qk_norm:
-            q = self.q_norm(q)
-        return rope(q, positions_bt, spec.rope_theta)
+        qkv = self.qkv_proj(x_btd)  # [B, T, K, R + 2, D]
+        r = spec.num_heads // spec.num_kv_heads
+        q = qkv[..., :r, :].reshape(b, t, spec.num_heads, spec.head_dim)
+        return self._finish(q, qkv[..., r, :], qkv[..., r + 1, :], positions_bt)
 
     def __call__(self, x_btd, positions_bt, attend: Attend):
         b, t, _ = x_btd.shape
-        k, v = self.keys_values(x_btd, positions_bt)
-        out, aux = attend(self.queries(x_btd, positions_bt), k, v)
+        q, k, v = self.project(x_btd, positions_bt)
+        out, aux = attend(q, k, v)
         return self.o_proj(out.reshape(b, t, -1)), aux
 
 

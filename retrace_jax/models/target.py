@@ -42,7 +42,7 @@ class TargetModel(nnx.Module):
     """Decoder-only language model. The KV cache lives outside the module and is passed explicitly.
 
     ``layers`` is one :class:`~retrace_jax.models.layers.DecoderBlock` whose parameters carry a leading
-    layer axis (``layers.self_attn.q_proj.kernel`` is ``[L, d, H*D]``)."""
+    layer axis (``layers.self_attn.qkv_proj.kernel`` is ``[L, d, K, H/K + 2, D]``)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -122,16 +122,18 @@ class TargetModel(nnx.Module):
         normed = block.input_layernorm(x)
         attn, _ = block.self_attn(normed, positions, attend)
         u = block.post_attention_layernorm(x + attn)
-        act = jnp.abs(jax.nn.silu(block.mlp.gate_proj(u)) * block.mlp.up_proj(u))  # [B, S, I]
+        act = jnp.abs(block.mlp.activations(u))  # [B, S, I]
         w = valid_bs.astype(jnp.float32)[:, :, None]
         count = jnp.maximum(jnp.sum(w), 1.0)
+        qkv = block.self_attn.qkv_proj(normed).astype(jnp.float32)  # [B, S, K, R + 2, D]
+        r = self.cfg.num_heads // self.cfg.num_kv_heads
 
-        def head_rms(proj):  # [B, S, d_out] -> the mean over valid positions and heads of each head's RMS
-            heads = proj(normed).astype(jnp.float32).reshape(b, s, -1, self.cfg.head_dim)
-            return jnp.sum(jnp.sqrt(jnp.mean(heads * heads, -1)).mean(-1, keepdims=True) * w) / count
+        def head_rms(heads):  # [B, S, ..., D] -> the mean over valid positions and heads of each head's RMS
+            rms = jnp.sqrt(jnp.mean(heads * heads, -1)).reshape(b, s, -1)
+            return jnp.sum(rms.mean(-1, keepdims=True) * w) / count
 
         return {"mlp": jnp.sum(act * w.astype(act.dtype), (0, 1)) / count.astype(act.dtype),
-                "q_rms": head_rms(block.self_attn.q_proj), "k_rms": head_rms(block.self_attn.k_proj)}
+                "q_rms": head_rms(qkv[..., :r, :]), "k_rms": head_rms(qkv[..., r, :])}
 
     def unroll_layers(self, slices: list | None = None) -> "TargetModel":
         """Slices the stacked blocks into separate per-layer arrays, once (call it inside a jitted program
@@ -147,6 +149,17 @@ class TargetModel(nnx.Module):
         :func:`~retrace_jax.decoding.layer_loop.decode_weights` keeps beside the target, so that its
         programs slice nothing (its prefill still scans: see :func:`prefill`)."""
         object.__setattr__(self, "_per_layer", self.layer_slices() if slices is None else list(slices))
+        return self
+
+    def unroll_in_place(self) -> "TargetModel":
+        """Makes later calls run a Python loop over the layers that reads each layer's weights out of the
+        stacked arrays where it runs (static indices, inside every step: one copy of the weights in memory,
+        none made up front). Whether a compiler then reads them in place or copies each layer per step is
+        its business: XLA's CPU backend copies them (so a CPU unrolls over views instead:
+        :func:`~retrace_jax.decoding.layer_loop.decode_weights`); ``benchmarks/device_check.py`` counts
+        the copies an accelerator's program makes."""
+        object.__setattr__(self, "_per_layer", None)
+        object.__setattr__(self, "_in_place", True)
         return self
 
     def with_head_dv(self, head_dv) -> "TargetModel":
@@ -177,6 +190,8 @@ class TargetModel(nnx.Module):
             return nnx.merge(graphdef, layer_params)(x, positions_bt, attend_at(layer, carry))
 
         per_layer = None if scan_layers else getattr(self, "_per_layer", None)
+        if not scan_layers and getattr(self, "_in_place", False):  # static slices where each layer runs
+            per_layer = [jax.tree.map(lambda a, i=i: a[i], params) for i in range(num_layers)]
         if per_layer is None:
             slot_of = jnp.asarray([kept.index(i) if i in kept else len(kept) for i in range(num_layers)], jnp.int32)
 

@@ -16,6 +16,11 @@ too). A restore first compares the files with it: a file changed since (a flippe
 without complaint) makes the checkpoint unreadable, as a truncated one is. A checkpoint without the file (an
 earlier release's, or one whose run was killed between the commit and the recording) is restored unchecked,
 with a warning.
+
+Checkpoints written before the decoder block joined q/k/v and gate/up into one parameter each
+(``qkv_proj``, ``gate_up_proj``: ``retrace_jax/models/layers.py``) hold them separately, in the parameters
+and in the optimizer's moments: :meth:`Checkpoints.restore` reads them as they are and joins them, with a
+deprecation warning (AdamW's state is elementwise, so the joined moments are the separate ones, moved).
 """
 
 from __future__ import annotations
@@ -31,10 +36,13 @@ import sys
 
 import jax
 import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from retrace_jax.errors import CheckpointError
 from retrace_jax.io.atomic import write_error
 from retrace_jax.io.digest import CHECKSUMS, changed_files, read_checksums, write_checksums
+from retrace_jax.models.layers import JOINED, join_projections, separate_projections
 from retrace_jax.parallel.distributed import agree_any, barrier
 from retrace_jax.training.data import settings_differences  # noqa: F401 -- still importable from here
 
@@ -204,15 +212,37 @@ class Checkpoints:
                  f"run ended before recording them): it is restored without checking its files")
         tree = {"params": drafter_state, "opt_state": opt_state}
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+        separate = self._separate_projections(step)
+        if separate:
+            if warn is not None and jax.process_index() == 0:
+                warn(f"checkpoint {step} in {self.directory} holds separate q/k/v and gate/up projections (written "
+                     f"before they were joined): they are joined as it is restored; this conversion is deprecated "
+                     f"and will be removed, so resume from or export a newer checkpoint")
+            abstract = _on_states(_separated, abstract)
         try:
             r = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                                                    meta=ocp.args.JsonRestore()))
+            state = r.state if not separate else jax.tree.map(
+                lambda like, got: _joined(got, like) if isinstance(like, nnx.State) else got, tree, dict(r.state),
+                is_leaf=lambda x: isinstance(x, nnx.State))
         except Exception as err:  # noqa: BLE001 -- any failure to read it
             reason = _reason(err)
         else:
-            return r.state["params"], r.state["opt_state"], r.meta
+            return state["params"], state["opt_state"], r.meta
         gc.collect()  # Orbax's abandoned reads end now (the traceback held them), while their echoes are silenced
         raise CheckpointError(f"checkpoint {step} in {self.directory} cannot be read ({reason})")
+
+    def _separate_projections(self, step: int) -> bool:
+        """Whether checkpoint ``step`` holds the separate projections of the decoder block's joined
+        parameters (a checkpoint written before they were joined), read from Orbax's tree metadata."""
+        path = os.path.join(self.directory, str(step), "state", "_METADATA")
+        try:
+            with open(path) as f:
+                keys = json.load(f).get("tree_metadata", {})
+        except (OSError, ValueError, AttributeError):
+            return False  # unreadable: the restore itself reports it
+        names = {repr(n) for parts in JOINED.values() for n in parts}
+        return any(name in key for key in keys for name in names)
 
     def close(self) -> None:
         try:
@@ -226,6 +256,57 @@ class Checkpoints:
             if sys.unraisablehook == self._quiet.unraisable:
                 sys.unraisablehook = self._quiet.previous
         self.manager.close()
+
+
+def _on_states(fn, tree):
+    """``fn`` applied to every ``nnx.State`` in ``tree`` (the parameters and the optimizer's moments)."""
+    return jax.tree.map(lambda x: fn(x) if isinstance(x, nnx.State) else x, tree,
+                        is_leaf=lambda x: isinstance(x, nnx.State))
+
+
+def _separated(state: nnx.State) -> nnx.State:
+    """The abstract ``state`` with each joined parameter (:data:`JOINED`) as its separate parts: the tree a
+    checkpoint written before the joining holds. A part is placed as the joined parameter splits its
+    head (q/k/v) or neuron (gate/up) axis."""
+    items = []
+    for path, var in nnx.to_flat_state(state):
+        value = var.get_value()
+        if len(path) < 2 or path[-2] not in JOINED or not hasattr(value, "shape"):
+            items.append((path, var))
+            continue
+        name = path[-2]
+        parts = jax.eval_shape(lambda x, name=name: separate_projections(name, x), value)
+        sharding = getattr(value, "sharding", None)
+        for part_name, part in zip(JOINED[name], parts):
+            if isinstance(sharding, NamedSharding):  # the leading (input) axes, then the head or neuron axis
+                spec = tuple(sharding.spec) + (None,) * (len(value.shape) - len(sharding.spec))
+                lead = len(value.shape) - (3 if name == "qkv_proj" else 2)
+                spec = spec[:lead] + (spec[lead] if name == "qkv_proj" else spec[lead + 1],)
+                part = jax.ShapeDtypeStruct(part.shape, part.dtype, sharding=NamedSharding(sharding.mesh,
+                                                                                         PartitionSpec(*spec)))
+            elif sharding is not None:
+                part = jax.ShapeDtypeStruct(part.shape, part.dtype, sharding=sharding)
+            items.append((path[:-2] + (part_name, path[-1]), var.replace(part)))
+    return nnx.from_flat_state(items)
+
+
+def _joined(restored: nnx.State, like: nnx.State) -> nnx.State:
+    """The restored ``state`` of separate projections joined into the parameters of ``like`` (the
+    current layout: its paths, shapes and shardings)."""
+    got = dict(nnx.to_flat_state(restored))
+    items = []
+    for path, var in nnx.to_flat_state(like):
+        value = var.get_value()
+        if len(path) < 2 or path[-2] not in JOINED or not hasattr(value, "shape"):
+            items.append((path, got[path]))
+            continue
+        name = path[-2]
+        parts = [got[path[:-2] + (n, path[-1])].get_value() for n in JOINED[name]]
+        sharding = getattr(value, "sharding", None)
+        join = jax.jit(lambda *p, name=name, shape=tuple(value.shape): join_projections(name, p, shape),
+                       out_shardings=sharding)
+        items.append((path, var.replace(join(*parts))))
+    return nnx.from_flat_state(items)
 
 
 class _QuietWriteFailures(logging.Filter):

@@ -22,7 +22,8 @@ def test_device_check_smoke(tmp_path):
     assert not [r for r in rows if "error" in r]
     assert any(w.startswith("verify pass") for w in whats)
     spec = [r for r in rows if r["what"].startswith("generate (speculative")]
-    assert len(spec) == 1 and spec[0]["same_tokens"] is True  # lossless in float32, also with a random drafter
+    # at a short and a long prompt; lossless in float32, also with a random drafter
+    assert [r["context"] for r in spec] == [64, 256] and all(r["same_tokens"] is True for r in spec)
     lossless = {(r["dtype"], r["precision"], r["what"]): r["same_tokens"] for r in rows
                 if r["what"].startswith("lossless")}
     # a CPU's float32 products are full at both precisions
@@ -32,3 +33,11 @@ def test_device_check_smoke(tmp_path):
     assert len(lossless) == 5
     assert all(float(r["max_abs_err"]) < 1e-4 for r in rows if "max_abs_err" in r)
     assert (tmp_path / "device_check.md").read_text().count("|") > 20
+    # issue 57's variants, a row each: the layer loops under XLA's default options (a CPU has no option
+    # sets here), with the weight-sized instructions of their step, and the projections joined or not
+    loops = {r["what"]: r for r in rows if r.get("options") == "default"}
+    assert loops["plain decode step (unrolled, one copy)"]["weight_copies"] == 0  # views of the stacked weights
+    assert loops["plain decode step (unrolled, one copy)"]["kept_bytes"] < loops[
+        "plain decode step (unrolled, per-layer copies)"]["kept_bytes"]
+    assert loops["plain decode step (scan)"]["weight_copies"] > 0  # XLA:CPU copies each layer's slices
+    assert {"projection products (joined)", "projection products (separate)"} <= whats

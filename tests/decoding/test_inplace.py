@@ -35,10 +35,14 @@ PASS_THROUGH = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "
 WRITES = {"scatter", "dynamic-update-slice"}
 
 
-def layer_sized(hlo: str, layer_elements: int) -> list[str]:
+def layer_sized(hlo: str, layer_elements: int, weight_shapes=()) -> list[str]:
     """Instructions inside the entry's while loops whose result (or any part of a tuple result) has at
-    least ``layer_elements`` elements, whatever their opcode, except buffers passed through and the
-    in-place cache writes (a scatter or dynamic-update-slice, alone or as the root of a fusion)."""
+    least ``layer_elements`` elements, whatever their opcode, except buffers passed through, the
+    in-place cache writes (a scatter or dynamic-update-slice, alone or as the root of a fusion) and
+    results shaped as one layer's weights (``weight_shapes``, leading 1s aside: the prefill's scan
+    slices each layer's weights once per call, which ``test_the_unrolled_loop_holds_one_copy...`` and
+    ``benchmarks.hlo.weight_copies`` look at)."""
+    weights = {tuple(s) for s in weight_shapes}
     comps = computations(hlo)
     roots = {}
     for name, lines in comps.items():
@@ -51,8 +55,11 @@ def layer_sized(hlo: str, layer_elements: int) -> list[str]:
         head = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = (\(.*?\)|\w+\[[\d,]*\]\{[^}]*\}|\w+\[[\d,]*\]) ([\w\-]+)\(", line)
         if not head:
             continue
-        sizes = [np.prod([int(x) for x in dims.split(",") if x], dtype=np.int64)
-                 for dims in re.findall(r"\w+\[([\d,]*)\]", head.group(1))]
+        shapes = [tuple(int(x) for x in dims.split(",") if x) for dims in re.findall(r"\w+\[([\d,]*)\]",
+                                                                                    head.group(1))]
+        if len(shapes) == 1 and _squeezed(shapes[0]) in weights:
+            continue
+        sizes = [np.prod(shape, dtype=np.int64) for shape in shapes]
         if not sizes or max(sizes) < layer_elements:
             continue
         opcode = head.group(2)
@@ -62,6 +69,24 @@ def layer_sized(hlo: str, layer_elements: int) -> list[str]:
             continue
         found.append(line.strip()[:300])
     return found
+
+
+def _squeezed(shape):
+    while shape and shape[0] == 1:
+        shape = shape[1:]
+    return tuple(shape)
+
+
+def weight_shapes(target) -> set:
+    """One layer's weight shapes, as stacked (leading layer axis dropped) and with the output axes of a
+    kernel merged (how XLA may bitcast a slice: ``[d, K, R + 2, D]`` -> ``[d, K*(R+2)*D]``)."""
+    import jax
+
+    shapes = set()
+    for x in jax.tree.leaves(nnx.state(target.layers)):
+        one = tuple(x.shape[1:])
+        shapes |= {one, (one[0], int(np.prod(one[1:])))} if len(one) >= 2 else {one}
+    return shapes
 
 
 def whole_copies(hlo: str, shape: tuple[int, ...]) -> list[str]:
@@ -126,7 +151,7 @@ def program_hlo(program: str, layer_loop: str, capacity: int):
             shapes = [_cache_shape(target.cfg, 2, slots), _cache_shape(drafter.cfg, 2, slots)]
         from retrace_jax.attention import cache_slots
         layer = _one_layer_of_cache(target.cfg, 2, cache_slots(slots))
-        _HLO[key] = (users_hlo(lowered), shapes, layer)
+        _HLO[key] = (users_hlo(lowered), shapes, layer, weight_shapes(target))
     return _HLO[key]
 
 
@@ -143,10 +168,10 @@ def _in_default_suite(program, layer_loop, capacity):
 @pytest.mark.parametrize("program,layer_loop,capacity", [
     case if _in_default_suite(*case) else pytest.param(*case, marks=pytest.mark.slow) for case in CASES])
 def test_loops_update_caches_in_place_and_read_no_whole_layer(program, layer_loop, capacity):
-    hlo, shapes, layer = program_hlo(program, layer_loop, capacity)
+    hlo, shapes, layer, weights = program_hlo(program, layer_loop, capacity)
     found = loop_copies(hlo, layer) + [c for shape in shapes for c in whole_copies(hlo, shape)]
     found += head_copies(hlo)
-    found += layer_sized(hlo, layer)
+    found += layer_sized(hlo, layer, weights)
     assert not found, "\n".join(found)
 
 
@@ -244,3 +269,40 @@ def test_detector_finds_a_shared_zero_buffer():
 
     hlo = jax.jit(two).lower(jnp.ones((64,)), 3).compile().as_text()
     assert whole_copies(hlo, (4, 512, 64))
+
+
+def test_the_unrolled_loop_holds_one_copy_of_the_weights_and_cpu_programs_read_it_in_place(monkeypatch):
+    """The unrolled layer loop holds one copy of the weights: on one CPU device views of the stacked
+    arrays (no weight-sized instruction in the loop), elsewhere the stacked arrays themselves, which the
+    program indexes statically where each layer runs (nothing kept beside the target). XLA's CPU backend
+    copies such a static slice at every step, which ``weight_copies`` finds (so a CPU keeps the views);
+    ``benchmarks/device_check.py`` counts them on an accelerator. All three give the same tokens."""
+    import jax
+
+    from benchmarks.hlo import layer_weight_elements, weight_copies
+    from retrace_jax.decoding import layer_loop
+
+    target, args = _inputs()
+    tdef, tstate = nnx.split(target)
+    sizes = layer_weight_elements(target)
+    views = layer_loop.decode_weights(target, "unrolled", tstate)
+    assert views.layers is not None
+    hlo = users_hlo(plain_generate.lower(tdef, tstate, *args, capacity=64, layer_loop="unrolled", kept=views))
+    assert weight_copies(hlo, sizes) == []
+
+    monkeypatch.setattr(layer_loop, "_layer_views", lambda target: None)  # as on an accelerator
+    other = rj.tiny.tiny_target()  # a new target: decode_weights keeps one set per target
+    odef, ostate = nnx.split(other)
+    in_place = layer_loop.decode_weights(other, "unrolled", ostate)
+    assert in_place.layers is None  # nothing beside the target but the tied head's [d, V] copy
+    assert [x.nbytes for x in jax.tree.leaves(in_place)] == [other.embed_tokens.embedding[...].nbytes]
+    hlo = users_hlo(plain_generate.lower(odef, ostate, *args, capacity=64, layer_loop="unrolled", kept=in_place))
+    assert len(weight_copies(hlo, sizes)) >= other.cfg.num_layers  # XLA:CPU copies each layer's slices
+    copies = layer_loop.decode_weights(other, "unrolled", ostate, per_layer_copies=True)
+    assert len(copies.layers) == other.cfg.num_layers
+
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    want = rj.generate(target, prompts, 10, layer_loop="scan").tokens
+    assert rj.generate(other, prompts, 10, layer_loop="unrolled").tokens == want
+    monkeypatch.undo()
+    assert rj.generate(target, prompts, 10, layer_loop="unrolled").tokens == want

@@ -57,14 +57,14 @@ def test_layers_start_from_target_layers(target, drafter):
     copied = init_layers_from_target(drafter, target, [1, 0])
     slices = target.layer_slices()
     for i, layer in enumerate((1, 0)):
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        for name in ("qkv_proj", "o_proj"):
             np.testing.assert_array_equal(np.asarray(getattr(copied.layers[i].self_attn, name).kernel[...]),
                                           np.asarray(slices[layer]["self_attn"][name]["kernel"].get_value()))
         np.testing.assert_array_equal(np.asarray(copied.layers[i].mlp.down_proj.kernel[...]),
                                       np.asarray(slices[layer]["mlp"]["down_proj"]["kernel"].get_value()))
     np.testing.assert_array_equal(np.asarray(copied.fc.kernel[...]), np.asarray(drafter.fc.kernel[...]))  # its own
-    assert not np.array_equal(np.asarray(copied.layers[0].self_attn.q_proj.kernel[...]),
-                              np.asarray(drafter.layers[0].self_attn.q_proj.kernel[...]))
+    assert not np.array_equal(np.asarray(copied.layers[0].self_attn.qkv_proj.kernel[...]),
+                              np.asarray(drafter.layers[0].self_attn.qkv_proj.kernel[...]))
     with pytest.raises(ValueError, match="2 layers"):
         init_layers_from_target(drafter, target, [1])
     with pytest.raises(ValueError, match="not among the target's"):
@@ -98,9 +98,10 @@ def test_a_narrower_mlp_starts_from_the_first_neurons_of_the_target_layer(target
     narrow = rj.init_drafter(target.cfg, mask_token_id=127, num_layers=1, intermediate_size=width)
     copied = init_layers_from_target(narrow, target, [1])
     layer = target.layer_slices()[1]
-    np.testing.assert_array_equal(np.asarray(copied.layers[0].self_attn.q_proj.kernel[...]),
-                                  np.asarray(layer["self_attn"]["q_proj"]["kernel"].get_value()))
-    for name, cut in (("gate_proj", np.s_[:, :width]), ("up_proj", np.s_[:, :width]), ("down_proj", np.s_[:width])):
+    np.testing.assert_array_equal(np.asarray(copied.layers[0].self_attn.qkv_proj.kernel[...]),
+                                  np.asarray(layer["self_attn"]["qkv_proj"]["kernel"].get_value()))
+    # gate_up_proj [d, 2, I]: the gate's and the up projection's first neurons
+    for name, cut in (("gate_up_proj", np.s_[:, :, :width]), ("down_proj", np.s_[:width])):
         np.testing.assert_array_equal(np.asarray(getattr(copied.layers[0].mlp, name).kernel[...]),
                                       np.asarray(layer["mlp"][name]["kernel"].get_value())[cut], err_msg=name)
     wide = rj.init_drafter(target.cfg, mask_token_id=127, num_layers=1, intermediate_size=2 * target.cfg.intermediate_size)
@@ -240,18 +241,17 @@ def test_a_drafter_with_attention_biases_keeps_those_of_copied_qwen2_layers(hf_m
     layer = target.layer_slices()[1]["self_attn"]
     biased = init_layers_from_target(rj.init_drafter(target.cfg, mask_token_id=3, num_layers=1,
                                                      attention_bias=True), target, [1])
-    for name in ("q_proj", "k_proj", "v_proj"):
-        want = np.asarray(layer[name]["bias"].get_value())
-        assert np.any(want)
-        np.testing.assert_array_equal(np.asarray(getattr(biased.layers[0].self_attn, name).bias[...]), want)
+    want = np.asarray(layer["qkv_proj"]["bias"].get_value())  # [K, H/K + 2, D]: q, k and v biases
+    assert all(np.any(want[:, i]) for i in range(want.shape[1]))
+    np.testing.assert_array_equal(np.asarray(biased.layers[0].self_attn.qkv_proj.bias[...]), want)
     assert not np.any(np.asarray(biased.layers[0].self_attn.o_proj.bias[...]))
     rj.save_drafter(biased, str(tmp_path))
     assert json.load(open(tmp_path / "config.json"))["attention_bias"] is True
     loaded = rj.load_drafter(str(tmp_path), target)
-    np.testing.assert_array_equal(np.asarray(loaded.layers[0].self_attn.k_proj.bias[...]),
-                                  np.asarray(biased.layers[0].self_attn.k_proj.bias[...]))
+    np.testing.assert_array_equal(np.asarray(loaded.layers[0].self_attn.qkv_proj.bias[...]),
+                                  np.asarray(biased.layers[0].self_attn.qkv_proj.bias[...]))
     plain = init_layers_from_target(rj.init_drafter(target.cfg, mask_token_id=3, num_layers=1), target, [1])
-    assert not hasattr(plain.layers[0].self_attn.q_proj, "bias") or plain.layers[0].self_attn.q_proj.bias is None
+    assert plain.layers[0].self_attn.qkv_proj.bias is None
 
 
 def test_mlp_activity_matches_transformers_and_picks_the_neurons_a_narrower_mlp_keeps(hf_model_dir, qwen3):
@@ -279,8 +279,8 @@ def test_mlp_activity_matches_transformers_and_picks_the_neurons_a_narrower_mlp_
     chosen = init_layers_from_target(drafter, qwen3, [1], neurons=[got])
     keep = np.sort(np.argsort(-got, kind="stable")[:width])
     layer = qwen3.layer_slices()[1]["mlp"]
-    np.testing.assert_array_equal(np.asarray(chosen.layers[0].mlp.gate_proj.kernel[...]),
-                                  np.asarray(layer["gate_proj"]["kernel"].get_value())[:, keep])
+    np.testing.assert_array_equal(np.asarray(chosen.layers[0].mlp.gate_up_proj.kernel[...]),
+                                  np.asarray(layer["gate_up_proj"]["kernel"].get_value())[:, :, keep])
     np.testing.assert_array_equal(np.asarray(chosen.layers[0].mlp.down_proj.kernel[...]),
                                   np.asarray(layer["down_proj"]["kernel"].get_value())[keep, :])
     assert not np.array_equal(keep, np.arange(width))  # not simply the first neurons

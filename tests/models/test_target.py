@@ -27,14 +27,17 @@ def test_prefill_logits_match_hf(family, hf_model_dir):
     np.testing.assert_array_equal(np.asarray(out.cache.lengths), [9, 9])
 
 
-@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
+@pytest.mark.parametrize("layer_loop", ["scan", "unrolled", "in_place"])
 def test_cached_decoding_with_ragged_rows_matches_hf(family, hf_model_dir, layer_loop):
     """Rows of different prompt lengths decode token by token, each at its own cache offset; also through
-    the per-layer weight copies that unrolled (CPU) programs run."""
+    the per-layer weight views that unrolled (CPU) programs run, and through the static slices of the
+    stacked weights that unrolled programs run elsewhere."""
     model, directory = hf_model_dir(family)
     target = rj.load_target(directory)
     if layer_loop == "unrolled":
         target.unroll_layers(decode_weights(target, "unrolled").layers)  # the decode steps; the prefill scans
+    elif layer_loop == "in_place":
+        target.unroll_in_place()
     rng = np.random.RandomState(1)
     lens = [3, 7]
     seqs = [rng.randint(0, 128, (lens[b] + 6,)) for b in range(2)]
@@ -136,5 +139,5 @@ def test_abstract_target_has_the_structure_of_the_built_model(family, dtype):
         return [(p, type(v), v.get_value().shape, v.get_value().dtype) for p, v in nnx.to_flat_state(state)]
 
     assert leaves(state_a) == leaves(state_b)
-    up_ldi = abstract.layers.mlp.up_proj.kernel.get_value()
-    assert up_ldi.shape == (3, cfg.hidden_size, cfg.intermediate_size) and up_ldi.dtype == dtype
+    gate_up = abstract.layers.mlp.gate_up_proj.kernel.get_value()  # [L, d, 2, I]
+    assert gate_up.shape == (3, cfg.hidden_size, 2, cfg.intermediate_size) and gate_up.dtype == dtype

