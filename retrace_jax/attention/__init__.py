@@ -12,6 +12,7 @@ Shape letters used across the library:
     A  blocks (anchors) per sequence   R  rounds (the speculative loop's, ReTrace training's)
     P  padded prompt length            F  concatenated target features (number of layers * d)
     N  rows of a flattened batch       O  output capacity (new tokens a row can hold)
+    Q  prompts queued for a stream     Y  prompts a stream's call harvests (``decoding/stream.py``)
 
 Capital ``D`` is a head's width and lowercase ``d`` the model's (``x_btd``, ``q_bthd``). Every other
 letter has one meaning; a new shape letter joins this table before it is used.

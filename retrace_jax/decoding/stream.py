@@ -61,12 +61,12 @@ def prefill_chunk(prompt_len: int) -> int:
 class Harvest:
     """The prompts that finished during one call, in the order they finished (``count`` entries)."""
 
-    prompt_f: jax.Array  # [F] the prompt's index (-1: an unused entry)
-    tokens_fo: jax.Array  # [F, O] its new tokens; entries >= num are padding
-    num_f: jax.Array  # [F] tokens committed
-    non_finite_f: jax.Array  # [F] the target's logits were NaN or infinite (the row stopped there)
-    accept_fo: jax.Array | None  # [F, O] a + 1 of each round (speculative decoding), else None
-    rounds_f: jax.Array | None  # [F] rounds run
+    prompt_y: jax.Array  # [Y] the prompt's index (-1: an unused entry)
+    tokens_yo: jax.Array  # [Y, O] its new tokens; entries >= num are padding
+    num_y: jax.Array  # [Y] tokens committed
+    non_finite_y: jax.Array  # [Y] the target's logits were NaN or infinite (the row stopped there)
+    accept_yo: jax.Array | None  # [Y, O] a + 1 of each round (speculative decoding), else None
+    rounds_y: jax.Array | None  # [Y] rounds run
     count: jax.Array  # int32 scalar
 
     @classmethod
@@ -157,7 +157,7 @@ def _harvest(c: StreamCarry, h: Harvest) -> tuple[StreamCarry, Harvest]:
     """Moves every slot whose prompt has finished into the harvest and frees the slot."""
     buf = c.step.buf
     finished = (c.prompt_b >= 0) & buf.done
-    size = h.prompt_f.shape[0]
+    size = h.prompt_y.shape[0]
     at = jnp.where(finished, h.count + jnp.cumsum(finished) - 1, size)  # out of range: dropped
 
     def put(dst, src):
@@ -165,12 +165,12 @@ def _harvest(c: StreamCarry, h: Harvest) -> tuple[StreamCarry, Harvest]:
 
     speculative = isinstance(c.step, SpecCarry)
     h = Harvest(
-        prompt_f=put(h.prompt_f, c.prompt_b),
-        tokens_fo=put(h.tokens_fo, buf.tokens),
-        num_f=put(h.num_f, buf.num),
-        non_finite_f=put(h.non_finite_f, buf.non_finite),
-        accept_fo=put(h.accept_fo, c.step.accept_br) if speculative else None,
-        rounds_f=put(h.rounds_f, c.step.rounds_b) if speculative else None,
+        prompt_y=put(h.prompt_y, c.prompt_b),
+        tokens_yo=put(h.tokens_yo, buf.tokens),
+        num_y=put(h.num_y, buf.num),
+        non_finite_y=put(h.non_finite_y, buf.non_finite),
+        accept_yo=put(h.accept_yo, c.step.accept_br) if speculative else None,
+        rounds_y=put(h.rounds_y, c.step.rounds_b) if speculative else None,
         count=h.count + jnp.sum(finished, dtype=jnp.int32),
     )
     return c.replace(prompt_b=jnp.where(finished, -1, c.prompt_b)), h
@@ -178,9 +178,11 @@ def _harvest(c: StreamCarry, h: Harvest) -> tuple[StreamCarry, Harvest]:
 
 def _stream_loop(models, consts, carry: StreamCarry, queue_tokens_qp, queue_lens_q, queue_first, num_prompts,
                  max_rounds, *, harvest_size: int, chunk: int, round_fn):
-    """Refills free slots, then runs rounds (each followed by harvest and refill) until ``max_rounds``
-    rounds, until no slot holds a prompt, until the harvest might not hold another round's finishes, or
-    until a free slot waits for a prompt past the queue (the host then hands over the next queue)."""
+    """Iterations of refill (free slots take waiting prompts), one round over all slots, harvest, until
+    ``max_rounds`` rounds, until no slot holds a prompt and none can start, until the harvest might not
+    hold another round's finishes, or until a free slot waits for a prompt past the queue (the host then
+    hands over the next queue). The refill sits inside the loop, before the round, so that the program
+    traces (and XLA compiles) the slot prefill once."""
     batch = carry.prompt_b.shape[0]
     queued = queue_tokens_qp.shape[0]
     base = jax.random.PRNGKey(consts.sampling.seed)
@@ -192,8 +194,9 @@ def _stream_loop(models, consts, carry: StreamCarry, queue_tokens_qp, queue_lens
         return c.next_prompt - queue_first < queued
 
     def can_refill(state):
+        # Room for a whole round's finishes after this prompt's (the round that follows may finish every slot).
         c, h = state
-        return jnp.any(c.prompt_b < 0) & waiting(c) & in_queue(c) & (h.count < harvest_size)
+        return jnp.any(c.prompt_b < 0) & waiting(c) & in_queue(c) & (h.count < harvest_size - batch)
 
     def refill_one(state):
         c, h = state
@@ -205,22 +208,21 @@ def _stream_loop(models, consts, carry: StreamCarry, queue_tokens_qp, queue_lens
                       next_prompt=c.next_prompt + 1)
         return _harvest(c, h)  # a prompt that its first token ends (a stop token, max_new_tokens 1) leaves at once
 
-    def refill(state):
-        return jax.lax.while_loop(can_refill, refill_one, state)
-
     def go_on(state):
         (c, h), n = state
         starved = jnp.any(c.prompt_b < 0) & waiting(c) & ~in_queue(c)
-        return (n < max_rounds) & jnp.any(c.prompt_b >= 0) & (h.count <= harvest_size - batch) & ~starved
+        work = jnp.any(c.prompt_b >= 0) | can_refill((c, h))
+        return (n < max_rounds) & work & (h.count <= harvest_size - batch) & ~starved
 
     def one_round(state):
         (c, h), n = state
+        c, h = jax.lax.while_loop(can_refill, refill_one, (c, h))
         step = round_fn(consts.replace(keys_b=c.keys_b), c.step)
         c, h = _harvest(c.replace(step=step, rounds=c.rounds + 1), h)
-        return refill((c, h)), n + 1
+        return (c, h), n + 1
 
     capacity = carry.step.buf.tokens.shape[1]
-    state = refill((carry, Harvest.empty(harvest_size, capacity, isinstance(carry.step, SpecCarry))))
+    state = (carry, Harvest.empty(harvest_size, capacity, isinstance(carry.step, SpecCarry)))
     (carry, harvest), _ = jax.lax.while_loop(go_on, one_round, (state, jnp.zeros((), jnp.int32)))
     in_flight = jnp.sum(jnp.where(carry.prompt_b >= 0, carry.step.buf.num, 0))
     return carry, harvest, in_flight
@@ -350,15 +352,15 @@ def run_stream(target_def, target_state, drafter_def, drafter_state, prompts, *,
         if count == 0 and int(next_prompt) == first and int(now_rounds) == rounds:
             raise RuntimeError("generate: a stream call finished no prompt, started none and ran no round")  # a bug
         first, rounds = int(next_prompt), int(now_rounds)
-        bad = sorted(int(i) for i in h.prompt_f[:count][h.non_finite_f[:count]])
+        bad = sorted(int(i) for i in h.prompt_y[:count][h.non_finite_y[:count]])
         if bad:
             raise FloatingPointError(non_finite_message(bad))
         for f in range(count):
-            i, n = int(h.prompt_f[f]), int(h.num_f[f])
-            tokens[i] = h.tokens_fo[f, :n].tolist()
+            i, n = int(h.prompt_y[f]), int(h.num_y[f])
+            tokens[i] = h.tokens_yo[f, :n].tolist()
             tokens_done += n
             if accept is not None:
-                accept[i] = h.accept_fo[f, :int(h.rounds_f[f])].tolist()
+                accept[i] = h.accept_yo[f, :int(h.rounds_y[f])].tolist()
         done += count
         if progress is not None:
             progress(StreamProgress(done, total, tokens_done + int(in_flight), rounds, calls,
