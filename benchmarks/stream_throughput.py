@@ -13,8 +13,11 @@ their spread). Per method, the medians of
 whole set, the ratio, and how many prompts' tokens differ between the two (greedy: none should).
 
 ``--memory P1,P2,...`` also runs, each in a fresh process, a stream of that many 1-token prompts with
-``--memory-new-tokens`` new tokens each and reports the process's peak resident memory: the stream holds
-``--slots`` rows of caches whatever the number of prompts.
+``--memory-new-tokens`` new tokens each through ``--slots`` slots on ``--memory-target`` and reports the
+process's peak resident memory: the stream holds ``--slots`` rows of caches whatever the number of prompts
+(``--memory-only`` skips the throughput runs).
+
+    python benchmarks/stream_throughput.py --memory-only --memory 16,10000 --slots 16
 """
 
 from __future__ import annotations
@@ -90,21 +93,28 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=DEFAULT_TARGET, help="a Hugging Face model directory, or 'tiny'")
     p.add_argument("--drafter", default="shipped",
-                   help="a drafter directory for the speculative rows; 'shipped': the package's for the target; "
-                        "'none': plain only")
+                   help="a drafter directory for the speculative rows; 'shipped': the package's for the target")
     p.add_argument("--prompts", default=rj.assets.SPEC_BENCH, help="a JSONL prompt file (train.py's formats)")
+    p.add_argument("--methods", default="plain,dflash", help="plain and/or dflash (the --drafter)")
     p.add_argument("--num-prompts", type=int, default=48, help="prompts taken evenly spread over the file")
     p.add_argument("--max-prompt-len", type=int, default=256, help="longer prompts are left out")
     p.add_argument("--slots", type=int, default=8, help="rows of the stream, and prompts per static batch")
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--memory", default="", help="comma-separated prompt counts for the peak-memory runs")
+    p.add_argument("--memory-target", default="tiny", help="the target of the peak-memory runs ('tiny': the "
+                                                           "tiny random target, whose prompts cost little)")
+    p.add_argument("--memory-only", action="store_true", help="only the peak-memory runs")
     p.add_argument("--memory-new-tokens", type=int, default=2)
     p.add_argument("--memory-child", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--out", help="write the results as JSON")
     args = p.parse_args(argv)
     if args.memory_child:
         return memory_child(args)
+    if args.memory_only:
+        result = {"commit": _commit(), "memory": memory_runs(args)}
+        write_json(result, args.out)
+        return result
     if min(args.num_prompts, args.slots, args.max_new_tokens, args.runs) < 1:
         p.error("--num-prompts, --slots, --max-new-tokens and --runs must be positive")
 
@@ -119,8 +129,8 @@ def main(argv=None):
     # spread over the file: Spec-Bench's categories follow one another, and their responses differ in length
     ids = [ids[i] for i in np.linspace(0, len(ids) - 1, args.num_prompts).round().astype(int)]
     stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    methods = {"plain": {}}
-    if args.drafter != "none":
+    methods = {"plain": {}} if "plain" in args.methods.split(",") else {}
+    if "dflash" in args.methods.split(","):
         path = args.drafter
         if path == "shipped":
             path = rj.assets.shipped_drafter(os.path.basename(os.path.normpath(args.target)))
@@ -139,7 +149,7 @@ def main(argv=None):
                 tokens, s = timed(fn, target, ids, args.max_new_tokens, args.slots, **kwargs[m])
                 assert tokens == first[m, way], "greedy tokens changed between runs"
                 seconds[m, way].append(s)
-    lengths = [len(t) for t in first["plain", "static"]]
+    lengths = [len(t) for t in first[next(iter(methods)), "static"]]
     rows = {}
     for m in methods:
         new = {way: sum(map(len, first[m, way])) for way in ways}
@@ -170,16 +180,23 @@ def main(argv=None):
         print(f"| {m} | {row['static_tokens_per_s']:.1f} | {row['stream_tokens_per_s']:.1f} | {row['ratio']:.2f}x | "
               f"{row['prompts_differing']} |")
     if args.memory:
-        result["memory"] = []
-        print("\n| prompts | slots | peak resident memory (MiB) | seconds |\n|---|---|---|---|")
-        for n in (int(x) for x in args.memory.split(",")):
-            cmd = [sys.executable, os.path.abspath(__file__), "--target", args.target, "--slots", str(args.slots),
-                   "--memory-new-tokens", str(args.memory_new_tokens), "--memory-child", str(n)]
-            child = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
-            result["memory"].append(child)
-            print(f"| {n} | {args.slots} | {child['peak_rss_mib']:.0f} | {child['seconds']:.1f} |")
+        result["memory"] = memory_runs(args)
     write_json(result, args.out)
     return result
+
+
+def memory_runs(args) -> list[dict]:
+    """Each count of ``--memory`` in a fresh process (:func:`memory_child`); prints a table."""
+    runs = []
+    print(f"\n{args.memory_target} target, {args.memory_new_tokens} new tokens per 1-token prompt\n")
+    print("| prompts | slots | peak resident memory (MiB) | seconds |\n|---|---|---|---|")
+    for n in (int(x) for x in args.memory.split(",")):
+        cmd = [sys.executable, os.path.abspath(__file__), "--target", args.memory_target, "--slots", str(args.slots),
+               "--memory-new-tokens", str(args.memory_new_tokens), "--memory-child", str(n)]
+        child = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+        runs.append(child)
+        print(f"| {n} | {args.slots} | {child['peak_rss_mib']:.0f} | {child['seconds']:.1f} |")
+    return runs
 
 
 def _commit() -> str:
