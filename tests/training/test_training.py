@@ -724,3 +724,30 @@ def test_a_narrower_mlp_starts_from_the_most_active_neurons(workspace, dflash_ru
     assert events == [{"event": "mlp_activity", "layers": [1], "sequences": 32}]
     with pytest.raises(rj.ConfigError, match="drafter.init_mlp_neurons: chooses the neurons"):
         load_config(config, ["drafter.init_mlp_neurons=active"])
+
+
+def test_preparation_streams_each_shard_through_gen_batch_size_slots(tmp_path, monkeypatch):
+    """Regeneration runs each shard as one stream (generate's slots = gen_batch_size), and its greedy
+    responses are the target's own for every prompt, as a static batch gives them."""
+    import retrace_jax.training.prepare as prepare_module
+    from retrace_jax.models.tiny import tiny_target
+    from retrace_jax.training.config import as_config
+    from retrace_jax.training.data import SequenceData
+
+    seen = []
+    real = prepare_module.generate
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("slots"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(prepare_module, "generate", recording)
+    cfg = {"target": "tiny", "out": str(tmp_path / "out"),
+           "data": {"num_prompts": 12, "eval_prompts": 2, "prompt_len": 5, "max_new_tokens": 6, "gen_batch_size": 3,
+                    "shard_size": 8}}
+    out = prepare_module.prepare(cfg, log=lambda record: None)
+    assert seen == [3, 3]  # two shards (8 and 4 prompts), 3 slots each
+    prompts = prepare_module.prompt_ids(as_config(cfg), 512, None, lambda record: None)[:12]
+    expected = rj.generate(tiny_target(), prompts, 6).tokens
+    got = [t.tolist() for t in SequenceData(out, seq_len=16).tokens]
+    assert got == [p + r for p, r in zip(prompts, expected)]
