@@ -140,7 +140,7 @@ def generate(
     ``N`` is rounded up to a multiple of its batch axes). The tokens are those of a call without
     ``slots``: each prompt keeps its own random stream, that of its index. The host drives the stream in
     calls of one compiled program of up to ``rounds_per_call`` rounds each (the program returns earlier
-    when ``2 N`` prompts have finished in it) and, between calls, collects the finished prompts and calls
+    once more than ``N`` prompts have finished in it) and, between calls, collects the finished prompts and calls
     ``progress`` (a callable, or None) with a :class:`~retrace_jax.decoding.stream.StreamProgress`.
 
     The KV caches of a call are kept for the next call of the same sizes (those of the last four

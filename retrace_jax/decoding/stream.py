@@ -111,7 +111,7 @@ def prefill_slot(target, drafter, target_cache, draft_cache, slot, tokens_p, len
         if drafter is not None:
             view_d = drafter.extend_cache(out.features, view_d)
         here = jax.lax.dynamic_index_in_dim(out.hidden[0], jnp.clip(length - 1 - i * chunk, 0, chunk - 1), 0, False)
-        return out.cache, view_d, jnp.where(i == passes - 1, here, last)
+        return out.cache, view_d, jnp.where(i == passes - 1, here.astype(last.dtype), last)
 
     views = (target_cache.row_view(slot, empty), None if drafter is None else draft_cache.row_view(slot, empty),
              jnp.zeros((target.cfg.hidden_size,), target.dtype))
@@ -322,8 +322,9 @@ def run_stream(target_def, target_state, drafter_def, drafter_state, prompts, *,
     returns the :class:`StreamResult` and the caches (to keep for the next call: ``spare``).
 
     The host hands each call the next ``2 * slots`` waiting prompts and takes back what finished; the
-    call returns after ``rounds_per_call`` rounds, or earlier when the harvest (``2 * slots`` entries)
-    might not hold another round's finishes or a free slot waits past the queue. ``progress`` (a callable,
+    call returns after ``rounds_per_call`` rounds, or earlier once more than ``slots`` prompts have
+    finished in it (its harvest of ``2 * slots`` entries might not hold another round's finishes) or when
+    a free slot waits for a prompt past the queue. ``progress`` (a callable,
     or None) receives a :class:`StreamProgress` after every call. Raises ``FloatingPointError`` for prompts
     whose target logits were not finite (the stream stops there; its caches are not kept)."""
     queued = harvest_size = 2 * slots
