@@ -43,10 +43,10 @@ from retrace_jax.training.data import chat_encoder, iter_prompt_ids, load_tokeni
 DEFAULT_TARGET = os.path.expanduser("~/.cache/retrace_jax/models/smollm2-135m-instruct")
 
 
-def static_batches(target, prompts, max_new, batch, **kwargs):
+def static_batches(target, prompts, max_new, batch, by_length=True, **kwargs):
     """The prompts in static batches of ``batch``, in order of prompt length (as preparation batched
-    them), put back in their own order."""
-    order = sorted(range(len(prompts)), key=lambda j: len(prompts[j]))
+    them) or as given, put back in their own order."""
+    order = sorted(range(len(prompts)), key=lambda j: len(prompts[j])) if by_length else list(range(len(prompts)))
     tokens = [None] * len(prompts)
     for i in range(0, len(prompts), batch):
         rows = order[i:i + batch]
@@ -56,7 +56,8 @@ def static_batches(target, prompts, max_new, batch, **kwargs):
     return tokens
 
 
-def stream(target, prompts, max_new, batch, **kwargs):
+def stream(target, prompts, max_new, batch, by_length=True, **kwargs):
+    del by_length
     return rj.generate(target, prompts, max_new, slots=batch, **kwargs).tokens
 
 
@@ -101,6 +102,8 @@ def main(argv=None):
     p.add_argument("--slots", type=int, default=8, help="rows of the stream, and prompts per static batch")
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--static-order", choices=("length", "given"), default="length",
+                   help="static batches in order of prompt length (as preparation batched them) or as given")
     p.add_argument("--memory", default="", help="comma-separated prompt counts for the peak-memory runs")
     p.add_argument("--memory-target", default="tiny", help="the target of the peak-memory runs ('tiny': the "
                                                            "tiny random target, whose prompts cost little)")
@@ -135,7 +138,8 @@ def main(argv=None):
         if path == "shipped":
             path = rj.assets.shipped_drafter(os.path.basename(os.path.normpath(args.target)))
         methods["dflash"] = {"drafter": rj.load_drafter(path, target)}
-    kwargs = {m: dict(extra, stop_token_ids=stops) for m, extra in methods.items()}
+    kwargs = {m: dict(extra, stop_token_ids=stops, by_length=args.static_order == "length") for m, extra in
+              methods.items()}
     ways = {"static": static_batches, "stream": stream}
 
     first = {}
@@ -161,6 +165,7 @@ def main(argv=None):
     result = {
         "target": os.path.abspath(args.target) if args.target != "tiny" else "tiny", "prompts": len(ids),
         "slots": args.slots, "max_new_tokens": args.max_new_tokens, "runs": args.runs,
+        "static_order": args.static_order,
         "backend": jax.default_backend(), "jax": jax.__version__, "commit": _commit(),
         "response_lengths": {"min": min(lengths), "median": statistics.median(lengths), "max": max(lengths),
                              "p10": float(np.percentile(lengths, 10)), "p90": float(np.percentile(lengths, 90)),
@@ -170,7 +175,7 @@ def main(argv=None):
     }
     r = result["response_lengths"]
     print(f"{len(ids)} prompts ({result['prompt_lengths']['min']}-{result['prompt_lengths']['max']} tokens), "
-          f"{args.slots} slots / static batches of {args.slots}, max_new_tokens {args.max_new_tokens}; response "
+          f"{args.slots} slots / static batches of {args.slots} (order: {args.static_order}), max_new_tokens {args.max_new_tokens}; response "
           f"lengths {r['min']}-{r['max']} (p10 {r['p10']:.0f}, median {r['median']:.0f}, p90 {r['p90']:.0f}, "
           f"{r['at_max_new_tokens']} at the limit); medians of {args.runs} alternating runs "
           f"({jax.default_backend()}, jax {jax.__version__}, commit {result['commit']})\n")
