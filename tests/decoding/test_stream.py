@@ -112,7 +112,7 @@ def test_speculative_greedy_refills_after_every_position_of_a_round(qwen3, train
 def test_speculative_stream_equals_the_static_batch(qwen3, trained_drafter, settings):
     """Greedy and sampled speculative decoding through 2 and 5 slots: the static batch's tokens and
     acceptance lengths, prompt by prompt (the last prompt included), with stop tokens."""
-    drafter, train_prompts = trained_drafter
+    drafter, _ = trained_drafter
     prompts = mixed_prompts(9, seed=4, longest=20)
     static = rj.generate(qwen3, prompts, 14, drafter=drafter, stop_token_ids=[5, 9], **settings)
     for slots in (2, 5):
