@@ -182,6 +182,8 @@ class GenerateArguments(BaseModel):
     seed: Annotated[Int, Field(ge=0, lt=2**32)]
     block_size: Annotated[Int, Field(ge=2, le=MAX_BLOCK_SIZE)] | None
     use_retrace: Bool
+    slots: Annotated[PositiveInt, Field(le=2**31 - 1)] | None = None
+    rounds_per_call: Annotated[PositiveInt, Field(le=2**31 - 1)] = 64  # an int32 in the programs
 
 
 def generate_arguments(**values) -> GenerateArguments:

@@ -12,6 +12,7 @@ Shape letters used across the library:
     A  blocks (anchors) per sequence   R  rounds (the speculative loop's, ReTrace training's)
     P  padded prompt length            F  concatenated target features (number of layers * d)
     N  rows of a flattened batch       O  output capacity (new tokens a row can hold)
+    Q  prompts queued for a stream     Y  prompts a stream's call harvests (``decoding/stream.py``)
 
 Capital ``D`` is a head's width and lowercase ``d`` the model's (``x_btd``, ``q_bthd``). Every other
 letter has one meaning; a new shape letter joins this table before it is used.
@@ -148,7 +149,7 @@ def walk_chunk(slots: int, chunk: int = KV_CHUNK) -> int:
 
 def cached_attention(q_bthd, k_lbksd, v_lbksd, layer, limit_bt, extra_k_bekd=None, extra_v_bekd=None, *,
                      start_bt=None, extra_valid_be=None, implementation: str = "auto", kv_chunk: int = KV_CHUNK,
-                     q_chunk: int = Q_CHUNK):
+                     q_chunk: int = Q_CHUNK, first_row=None):
     """Attention of ``T`` queries over layer ``layer`` of a KV cache ``[L, B, K, S, D]``.
 
     Query ``(b, t)`` sees the cache slots ``start[b, t] <= s < limit[b, t]`` (``start`` 0 unless given:
@@ -156,14 +157,16 @@ def cached_attention(q_bthd, k_lbksd, v_lbksd, layer, limit_bt, extra_k_bekd=Non
     where ``extra_valid_be`` ``[B, E]`` holds). ``layer`` may be traced
     (a scan over layers). Returns ``[B, T, H, D]`` in the query dtype. A windowed call (``start``) is
     walked by the chunked path, whatever the implementation: the Pallas GPU kernel's split assumes that
-    every query sees the slots from 0."""
+    every query sees the slots from 0. ``first_row`` (traced, or None): the queries' ``B`` rows are the
+    cache's rows ``first_row .. first_row + B - 1`` (a row view, as a refilled slot's prefill reads one row
+    of a batch's cache); such a call is walked by the chunked path or dense, never the Pallas GPU kernel."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if implementation in ("auto", "cudnn"):  # "cudnn" has a kernel for fresh prefills only: the rest as "auto"
         implementation = auto_cached(q_bthd.shape[0], q_bthd.shape[1], q_bthd.shape[2], k_lbksd.shape[3])
     if implementation == "dense":  # "pallas_tpu" has a kernel for fresh prefills only: here chunked
         return dense_cached(q_bthd, k_lbksd, v_lbksd, layer, limit_bt, extra_k_bekd, extra_v_bekd, start_bt,
-                            extra_valid_be)
+                            extra_valid_be, first_row)
     if implementation in ("pallas_gpu", "pallas_tpu"):
         kernels.check_pallas_backend(implementation)
     b, t, h, d = q_bthd.shape
@@ -174,8 +177,8 @@ def cached_attention(q_bthd, k_lbksd, v_lbksd, layer, limit_bt, extra_k_bekd=Non
     small = min(SMALL_CHUNK, chunk)
     tail = small if chunk % small == 0 else chunk  # a short filled tail in small chunks (see walk_cache)
     walk = functools.partial(walk_cache, k_lbksd=k_lbksd, v_lbksd=v_lbksd, layer=layer, chunk=chunk, extra=extra,
-                             extra_valid=extra_valid_be, tail_chunk=tail)
-    use_kernel = implementation == "pallas_gpu" and t <= PALLAS_GPU_MAX_T and start_bt is None
+                             extra_valid=extra_valid_be, tail_chunk=tail, first_row=first_row)
+    use_kernel = implementation == "pallas_gpu" and t <= PALLAS_GPU_MAX_T and start_bt is None and first_row is None
     plan = kernels.decode_kernel_plan(s, d) if use_kernel else None
     if plan is not None:
         return kernels.decode_kernel_cached(q, limit_bt, k_lbksd, v_lbksd, layer, plan, walk).astype(q_bthd.dtype)

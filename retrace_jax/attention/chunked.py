@@ -12,7 +12,7 @@ NEG = -1e30  # the running max starts here (finite): see online_update
 
 
 def walk_cache(q_btkgd, limit_bt, *, k_lbksd, v_lbksd, layer, chunk, extra, extra_valid=None, lo_b=None, state=None,
-               tail_chunk=None):
+               tail_chunk=None, first_row=None):
     """Online softmax over the extra keys, then over the cache chunks that hold visible slots: query
     ``(b, t)`` sees the slots ``lo[b] <= s < limit[b, t]`` (``lo`` 0 unless given; ``[B]``, or ``[B, T]``
     for a bound per query: a sliding window), so the walk covers chunks
@@ -23,7 +23,10 @@ def walk_cache(q_btkgd, limit_bt, *, k_lbksd, v_lbksd, layer, chunk, extra, extr
     With a smaller ``tail_chunk`` (a divisor of ``chunk``) the walk covers whole chunks of ``chunk``
     slots up to the last such boundary below ``max(limit)``, and the rest in chunks of ``tail_chunk``: a
     short filled length in a long cache then costs what it costs in a short one, while a long one is
-    walked in few large chunks."""
+    walked in few large chunks.
+
+    ``first_row`` (traced, or None for 0): the queries' ``B`` rows are the cache's rows ``first_row ..
+    first_row + B - 1`` (a row view: see :meth:`~retrace_jax.models.kv_cache.KVCache.row_view`)."""
     b, t, kv, g, d = q_btkgd.shape
     lo_bt = None if lo_b is None else (lo_b[:, None] if lo_b.ndim == 1 else lo_b)  # [B, 1] or [B, T]
     q_bkgtd = q_btkgd.transpose(0, 2, 3, 1, 4)  # once, not in every chunk's product
@@ -40,7 +43,7 @@ def walk_cache(q_btkgd, limit_bt, *, k_lbksd, v_lbksd, layer, chunk, extra, extr
 
     def one_chunk(size, j, state):
         start = j * size
-        k_c, v_c = (cache_chunk(buf, layer, start, size) for buf in (k_lbksd, v_lbksd))
+        k_c, v_c = (cache_chunk(buf, layer, start, size, first_row, b) for buf in (k_lbksd, v_lbksd))
         scores = jnp.einsum("bkgtd,bkcd->bkgtc", q_bkgtd, k_c.astype(q_btkgd.dtype),
                             preferred_element_type=jnp.float32) * d**-0.5
         slots = (start + jnp.arange(size))[None, None, :]
@@ -88,15 +91,16 @@ def walk_cache(q_btkgd, limit_bt, *, k_lbksd, v_lbksd, layer, chunk, extra, extr
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, kv * g, d)
 
 
-def cache_chunk(buf_lbksd, layer, start, chunk: int):
+def cache_chunk(buf_lbksd, layer, start, chunk: int, first_row=None, rows: int | None = None):
     """Slots ``start .. start + C - 1`` of layer ``layer``, ``[B, K, C, D]``, read from the stacked cache
-    in one slice. Taking the layer first and then the chunk would give XLA a slice that does not depend
+    in one slice (of ``rows`` rows from ``first_row``, when given: a row view's). Taking the layer first and then the chunk would give XLA a slice that does not depend
     on the chunk, which it hoists out of the walk: a copy of the whole layer at every call. The cache is
     head-major, so the chunk is already laid out as both products take it (no transpose per chunk)."""
     _, b, kv, _, d = buf_lbksd.shape
     zero = jnp.zeros((), jnp.int32)
-    index = (jnp.asarray(layer, jnp.int32), zero, zero, jnp.asarray(start, jnp.int32), zero)
-    return jax.lax.dynamic_slice(buf_lbksd, index, (1, b, kv, chunk, d))[0]
+    row = zero if first_row is None else jnp.asarray(first_row, jnp.int32)
+    index = (jnp.asarray(layer, jnp.int32), row, zero, jnp.asarray(start, jnp.int32), zero)
+    return jax.lax.dynamic_slice(buf_lbksd, index, (1, b if rows is None else rows, kv, chunk, d))[0]
 
 
 def online_update(state, scores_bkgtc, visible_btc, v_bkcd):

@@ -31,12 +31,16 @@ def attention_beside_context(q_bthd, k_btkd, v_btkd, ctx_k_bskd, ctx_v_bskd, mas
     return reference_attention(q_bthd, keys, values, mask_bt_st)
 
 
-def dense_cached(q_bthd, k_lbksd, v_lbksd, layer, limit_bt, extra_k, extra_v, start_bt=None, extra_valid_be=None):
+def dense_cached(q_bthd, k_lbksd, v_lbksd, layer, limit_bt, extra_k, extra_v, start_bt=None, extra_valid_be=None,
+                 first_row=None):
     """``cached_attention``'s meaning through the reference: every slot of layer ``layer`` scored, those
     ``s >= limit[b, t]`` (and ``s < start[b, t]`` when given) masked, the extra keys visible to every
-    query (those where ``extra_valid_be`` holds, when given)."""
+    query (those where ``extra_valid_be`` holds, when given). ``first_row``: the queries' rows are the
+    cache's rows from there (a row view)."""
     s = k_lbksd.shape[3]
     k, v = (jax.lax.dynamic_index_in_dim(buf, layer, 0, keepdims=False).swapaxes(1, 2) for buf in (k_lbksd, v_lbksd))
+    if first_row is not None:
+        k, v = (jax.lax.dynamic_slice_in_dim(x, first_row, q_bthd.shape[0], 0) for x in (k, v))
     mask = jnp.arange(s)[None, None, :] < limit_bt[:, :, None]
     if start_bt is not None:
         mask &= jnp.arange(s)[None, None, :] >= jnp.broadcast_to(start_bt, limit_bt.shape)[:, :, None]

@@ -16,6 +16,7 @@ from retrace_jax.decoding.layer_loop import decode_weights, resolve_layer_loop
 from retrace_jax.decoding.plain import plain_generate
 from retrace_jax.decoding.sampling import SamplingMode, SamplingParams
 from retrace_jax.decoding.speculative import speculative_generate
+from retrace_jax.decoding.stream import non_finite_message, prefill_chunk, run_stream, spare_max_len
 from retrace_jax.io.checkpoints import resolve_dtype
 from retrace_jax.models.drafter import DFlashDrafter, check_drafter_matches
 from retrace_jax.models.target import TargetModel
@@ -28,10 +29,14 @@ STOP_BUCKET = 8
 DRAFT_RULES = ("argmax", "target_sample", "sample")  # speculative sampling at T > 0 (see generate)
 
 
+STOP_REASONS = ("stop", "length")  # a stop token ended the prompt's output / max_new_tokens did
+
+
 @dataclasses.dataclass
 class GenerateOutput:
     tokens: list[list[int]]  # the new tokens of each prompt (up to and including a stop token)
     acceptance_lengths: list[list[int]]  # per prompt, tokens committed per round
+    stop_reasons: list[str] | None = None  # per prompt, one of STOP_REASONS
 
     def tau(self) -> float:
         """Mean acceptance length: the mean over prompts of each prompt's mean over rounds."""
@@ -76,6 +81,9 @@ def generate(
     cache_dtype=None,
     attention: str = "auto",
     layer_loop: str = "auto",
+    slots: int | None = None,
+    progress=None,
+    rounds_per_call: int = 64,
 ) -> GenerateOutput:
     """Generates up to ``max_new_tokens`` for each prompt (token ids) in one compiled program.
 
@@ -125,6 +133,16 @@ def generate(
     (twice the layer weights in memory), and a tied LM head once more as a copy; see
     ``retrace_jax.decoding.layer_loop.decode_weights``.
 
+    ``slots=N`` decodes the prompts as a stream through ``N`` rows (continuous batching, see
+    ``retrace_jax/decoding/stream.py``): any number of prompts, ``N`` at a time, and a row whose prompt
+    stops takes the next waiting prompt at once, inside the same compiled loop, so that no row waits for
+    the slowest one. Caches are those of ``N`` rows whatever the number of prompts (with a ``mesh``,
+    ``N`` is rounded up to a multiple of its batch axes). The tokens are those of a call without
+    ``slots``: each prompt keeps its own random stream, that of its index. The host drives the stream in
+    calls of one compiled program of up to ``rounds_per_call`` rounds each (the program returns earlier
+    once more than ``N`` prompts have finished in it) and, between calls, collects the finished prompts and calls
+    ``progress`` (a callable, or None) with a :class:`~retrace_jax.decoding.stream.StreamProgress`.
+
     The KV caches of a call are kept for the next call of the same sizes (those of the last four
     distinct sizes and methods; ``rj.clear_decode_buffers()`` frees them), so that a call does not
     allocate and first-touch caches of its whole capacity; see ``retrace_jax/decoding/buffers.py``.
@@ -136,9 +154,16 @@ def generate(
         raise TypeError(f"generate: drafter must be a DFlashDrafter (rj.load_drafter, rj.init_drafter) or None, got "
                         f"{type(drafter).__name__}")
     args = generate_arguments(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                              seed=seed, block_size=block_size, use_retrace=use_retrace)
+                              seed=seed, block_size=block_size, use_retrace=use_retrace, slots=slots,
+                              rounds_per_call=rounds_per_call)
     max_new_tokens, temperature, top_k, top_p = args.max_new_tokens, args.temperature, args.top_k, args.top_p
     seed, block_size, use_retrace = args.seed, args.block_size, args.use_retrace
+    slots, rounds_per_call = args.slots, args.rounds_per_call
+    if progress is not None and not callable(progress):
+        raise TypeError(f"generate: progress must be a callable or None, got {type(progress).__name__} "
+                        f"{short_repr(progress)}")
+    if progress is not None and slots is None:
+        raise ValueError("generate: progress is reported by a stream: pass slots= with it")
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh (e.g. rj.make_mesh({mesh!r}) for a string) or None, "
                         f"got {type(mesh).__name__} {mesh!r}")
@@ -155,12 +180,17 @@ def generate(
         _check_block_size(drafter.cfg.block_size if block_size is None else block_size, drafter.cfg,
                           given=block_size is not None)
     capacity = bucket(max_new_tokens)
-    rows = bucket(batch, 1)
+    rows = bucket(batch, 1) if slots is None else slots
     if mesh is not None:
         data = axis_size(mesh, "batch")
         rows = -(-rows // data) * data
         target = shard_model(target, mesh)
         drafter = None if drafter is None else shard_model(drafter, mesh)
+    if slots is not None:
+        return _generate_stream(target, drafter, prompts, rows, capacity, np.int32(max_new_tokens), stops, sampling,
+                                stop_token_ids=stop_token_ids, block_size=block_size, use_retrace=use_retrace,
+                                mode=mode, mesh=mesh, cache_dtype=cache_dtype, attention=attention,
+                                layer_loop=layer_loop, rounds_per_call=rounds_per_call, progress=progress)
     tokens, lens, live = _pad_prompts(prompts, rows, prompt_bucket(max(map(len, prompts))))
     if mesh is not None:
         tokens, lens, live = (jax.device_put(x, batch_sharding(mesh, x.ndim)) for x in (tokens, lens, live))
@@ -181,7 +211,8 @@ def generate(
         _check_finite(non_finite[:batch])  # caches that may hold non-finite values are not kept
         POOL.put(key, (spare,))
         new = [out_tokens[b, : num[b]].tolist() for b in range(batch)]
-        return GenerateOutput(tokens=new, acceptance_lengths=[[1] * len(t) for t in new])
+        return GenerateOutput(tokens=new, acceptance_lengths=[[1] * len(t) for t in new],
+                              stop_reasons=_stop_reasons(new, stop_token_ids))
 
     block_size = drafter.cfg.block_size if block_size is None else block_size
     drafter_def, drafter_state = nnx.split(drafter)
@@ -195,19 +226,52 @@ def generate(
     out_tokens, num, accept, rounds, non_finite = _fetch((buf.tokens, buf.num, accept, rounds, buf.non_finite))
     _check_finite(non_finite[:batch])
     POOL.put(key, spare)
-    return GenerateOutput(
-        tokens=[out_tokens[b, : num[b]].tolist() for b in range(batch)],
-        acceptance_lengths=[accept[b, : rounds[b]].tolist() for b in range(batch)],
-    )
+    new = [out_tokens[b, : num[b]].tolist() for b in range(batch)]
+    return GenerateOutput(tokens=new, acceptance_lengths=[accept[b, : rounds[b]].tolist() for b in range(batch)],
+                          stop_reasons=_stop_reasons(new, stop_token_ids))
+
+
+def _generate_stream(target, drafter, prompts, slots, capacity, max_new, stops, sampling, *, stop_token_ids,
+                     block_size, use_retrace, mode, mesh, cache_dtype, attention, layer_loop, rounds_per_call,
+                     progress) -> GenerateOutput:
+    """``generate(..., slots=N)``: the prompts as a stream through ``slots`` rows (see ``stream.py``)."""
+    longest = prompt_bucket(max(map(len, prompts)))
+    chunk = prefill_chunk(longest)
+    prompt_len = -(-longest // chunk) * chunk  # whole prefill passes
+    target_def, target_state = nnx.split(target)
+    kept = decode_weights(target, layer_loop, target_state)
+    drafter_def = drafter_state = None
+    models = [target]
+    if drafter is not None:
+        block_size = drafter.cfg.block_size if block_size is None else block_size
+        drafter_def, drafter_state = nnx.split(drafter)
+        models.append(drafter)
+    else:
+        block_size = 0
+    max_len = spare_max_len(prompt_len, capacity, block_size)
+    key, spare = take_spare([(m.cfg, slots, max_len, m.dtype if cache_dtype is None else cache_dtype, mesh)
+                             for m in models])
+    result, spare = run_stream(target_def, target_state, drafter_def, drafter_state, prompts, slots=slots,
+                               prompt_len=prompt_len, max_new=max_new, stop_ids=stops, sampling=sampling,
+                               capacity=capacity, block_size=block_size, use_retrace=use_retrace, mode=mode, mesh=mesh,
+                               cache_dtype=cache_dtype, attention=attention, layer_loop=layer_loop, kept=kept,
+                               spare=spare, rounds_per_call=rounds_per_call, progress=progress, fetch=_fetch)
+    POOL.put(key, spare)
+    accept = result.acceptance_lengths or [[1] * len(t) for t in result.tokens]
+    return GenerateOutput(tokens=result.tokens, acceptance_lengths=accept,
+                          stop_reasons=_stop_reasons(result.tokens, stop_token_ids))
+
+
+def _stop_reasons(tokens: list[list[int]], stop_token_ids) -> list[str]:
+    """Why each output ended: ``"stop"`` with a stop token, else ``"length"`` (``max_new_tokens``)."""
+    stops = {int(t) for t in stop_token_ids}
+    return ["stop" if t and t[-1] in stops else "length" for t in tokens]
 
 
 def _check_finite(non_finite_b) -> None:
     rows = [int(b) for b in np.flatnonzero(non_finite_b)]
     if rows:
-        raise FloatingPointError(
-            f"the target's logits were NaN or infinite for prompt(s) {rows}: its weights or its config (e.g. "
-            f"rms_norm_eps, rope_theta) make the forward pass overflow or divide by zero; no tokens are "
-            f"returned, since a greedy choice among NaNs would be an arbitrary token")
+        raise FloatingPointError(non_finite_message(rows))
 
 
 def _fetch(tree):

@@ -158,13 +158,7 @@ def speculative_init(models, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids
     first_b = sampling.choose(step_keys(consts.keys_b, jnp.zeros((batch,), jnp.int32)), logits_bv, mode)
     buf = stop_non_finite(OutputBuffer.empty(batch, capacity, ~live_b), logits_bv)
     buf = commit(buf, first_b[:, None], jnp.ones((batch,), jnp.int32), consts.max_new, stop_ids)
-    memory = None
-    if use_retrace and drafter.cfg.retrace is not None:
-        target_width = (drafter.cfg.num_features * target.cfg.hidden_size if drafter.cfg.retrace.fusion == "keys"
-                        else target.cfg.hidden_size)  # the target's features, or its final-norm states
-        memory = Memory.empty(batch, block_size, drafter.cfg.hidden_size, target_width, drafter.dtype,
-                              hints=drafter.cfg.retrace.hints == "tokens",
-                              mixture=drafter.cfg.retrace.mixture == "target")
+    memory = empty_memory(models, batch, block_size) if use_retrace else None
     carry = SpecCarry(
         target_cache=target_cache,
         draft_cache=draft_cache,
@@ -175,6 +169,18 @@ def speculative_init(models, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids
         memory=memory,
     )
     return consts, carry
+
+
+def empty_memory(models, batch: int, block_size: int) -> Memory | None:
+    """The ReTrace memory before a prompt's first round (nothing valid), or None for a drafter without a
+    ReTrace module."""
+    target, drafter = models
+    if drafter.cfg.retrace is None:
+        return None
+    target_width = (drafter.cfg.num_features * target.cfg.hidden_size if drafter.cfg.retrace.fusion == "keys"
+                    else target.cfg.hidden_size)  # the target's features, or its final-norm states
+    return Memory.empty(batch, block_size, drafter.cfg.hidden_size, target_width, drafter.dtype,
+                        hints=drafter.cfg.retrace.hints == "tokens", mixture=drafter.cfg.retrace.mixture == "target")
 
 
 def speculative_round(models, consts: RoundConstants, c: SpecCarry) -> tuple[SpecCarry, RoundInfo]:

@@ -329,7 +329,7 @@ class DFlashDrafter(nnx.Module):
             def attend(q, k, v):
                 k, v = with_memory(k, v, mem_kv, i)
                 return cached_attention(q, cache.k, cache.v, i, limit, k, v, start_bt=start, extra_valid_be=valid,
-                                        implementation=attention), None
+                                        implementation=attention, first_row=cache.first_row), None
 
             return attend
 

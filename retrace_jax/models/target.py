@@ -246,7 +246,8 @@ class TargetModel(nnx.Module):
                 kernel = fresh_kernel(attention, q.dtype, q.shape[-1])
                 if fresh and kernel is not None:
                     return fresh_attention(q, k, v, kernel), cache_
-                return cached_attention(q, cache_.k, cache_.v, layer, positions + 1, implementation=attention), cache_
+                return cached_attention(q, cache_.k, cache_.v, layer, positions + 1, implementation=attention,
+                                        first_row=cache_.first_row), cache_
 
             return attend
 

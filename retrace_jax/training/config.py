@@ -141,7 +141,8 @@ class DataConfig(Section):
     max_prompt_len: PositiveInt = doc("prompts are never cut: longer ones are dropped (below) or refused", 1024)
     drop_long_prompts: Bool = doc("true: longer prompts are left out (and counted); false: they are an error", True)
     max_new_tokens: PositiveInt = doc("response length of the regeneration", 64)
-    gen_batch_size: PositiveInt = doc("prompts per generate() call during regeneration", 64)
+    gen_batch_size: PositiveInt = doc("rows decoded at a time during regeneration (generate's slots: a row whose "
+                                      "response ends takes the next prompt)", 64)
     shard_size: PositiveInt = doc("prompts per data shard (the unit of resuming and of multi-process preparation)",
                                   512)
     temperature: NonNegativeFloat = doc("regeneration temperature (0: greedy)", 0.0)

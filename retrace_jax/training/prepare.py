@@ -19,7 +19,7 @@ import time
 import jax
 import numpy as np
 
-from retrace_jax.decoding.generation import generate
+from retrace_jax.decoding.generation import bucket, generate
 from retrace_jax.io.checkpoints import load_drafter, load_target
 from retrace_jax.io.digest import file_sha256
 from retrace_jax.models.config import read_config_json
@@ -164,18 +164,14 @@ def _prepare(cfg: TrainConfig, log) -> str:
     stops = [t for t in ([tokenizer.eos_token_id] if tokenizer is not None else []) if t is not None]
 
     def generate_fn(chunk, first_index):
-        # Batches of prompts of similar length: the prefill computes every padded position of the batch's
-        # longest prompt, so a shard is generated in order of length and put back in its own order.
-        order = sorted(range(len(chunk)), key=lambda j: len(chunk[j]))
-        tokens = [None] * len(chunk)
-        for i in range(0, len(chunk), d.gen_batch_size):
-            rows = order[i : i + d.gen_batch_size]
-            with product_precision(cfg.target_precision):
-                res = generate(target, [chunk[j] for j in rows], d.max_new_tokens, drafter=drafter,
-                               temperature=d.temperature, stop_token_ids=stops, seed=first_index + i)
-            for j, new in zip(rows, res.tokens):
-                tokens[j] = new
-        return tokens
+        # The shard as one stream through gen_batch_size rows (generate's slots): a row whose response
+        # ends takes the next prompt at once, so no row waits for the longest response of a batch, and a
+        # refilled row's prefill costs what its own prompt costs. Prompt j of the shard samples with the
+        # stream fold_in(PRNGKey(first_index), j): distinct in every shard, whatever gen_batch_size is.
+        with product_precision(cfg.target_precision):
+            return generate(target, chunk, d.max_new_tokens, drafter=drafter, temperature=d.temperature,
+                            stop_token_ids=stops, seed=first_index,
+                            slots=min(d.gen_batch_size, bucket(len(chunk), 1))).tokens
 
     start = time.perf_counter()
     manifest = prepare_shards(out, train_ids, settings, generate_fn, progress=pid == 0, process_index=pid,

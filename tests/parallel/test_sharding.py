@@ -35,6 +35,15 @@ def test_sharded_generation_on_4_cpu_devices(tmp_path):
     assert out.count("equal the single-device run") == 1
 
 
+@pytest.mark.slow  # about 35 s of CPU
+def test_a_stream_on_2_cpu_devices(tmp_path):
+    """generate(slots=...) sharded over the data axis: a refilled slot's prefill writes one row of caches
+    split over the devices; the stream equals the static batch and the single-device stream."""
+    out = _run_with_devices("sharded_check.py", tmp_path, 2, ["--devices", "2", "--mesh", "data=2",
+                                                               "--methods", "stream,stream_plain"])
+    assert out.count("equal the single-device run") == 1
+
+
 @pytest.mark.slow
 def test_sharded_generation_on_8_cpu_devices(tmp_path):
     assert _run_with_devices("sharded_check.py", tmp_path).count("equal the single-device run") == 4

@@ -754,3 +754,30 @@ def test_bfloat16_products_train_close_to_float32_and_are_part_of_the_settings(w
                                            "train.steps=6", "--set", "train.precision=bfloat16", "--set",
                                            "train.checkpoint_every=3"])
     assert "precision" in error
+
+
+def test_preparation_streams_each_shard_through_gen_batch_size_slots(tmp_path, monkeypatch):
+    """Regeneration runs each shard as one stream (generate's slots = gen_batch_size), and its greedy
+    responses are the target's own for every prompt, as a static batch gives them."""
+    import retrace_jax.training.prepare as prepare_module
+    from retrace_jax.models.tiny import tiny_target
+    from retrace_jax.training.config import as_config
+    from retrace_jax.training.data import SequenceData
+
+    seen = []
+    real = prepare_module.generate
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("slots"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(prepare_module, "generate", recording)
+    cfg = {"target": "tiny", "out": str(tmp_path / "out"),
+           "data": {"num_prompts": 12, "eval_prompts": 2, "prompt_len": 5, "max_new_tokens": 6, "gen_batch_size": 3,
+                    "shard_size": 8}}
+    out = prepare_module.prepare(cfg, log=lambda record: None)
+    assert seen == [3, 3]  # two shards (8 and 4 prompts), 3 slots each
+    prompts = prepare_module.prompt_ids(as_config(cfg), 512, None, lambda record: None)[:12]
+    expected = rj.generate(tiny_target(), prompts, 6).tokens
+    got = [t.tolist() for t in SequenceData(out, seq_len=16).tokens]
+    assert got == [p + r for p, r in zip(prompts, expected)]

@@ -1,0 +1,383 @@
+"""Continuous batching inside the compiled loop: ``slots`` rows decode a stream of any number of prompts,
+and a row that finishes takes the next waiting prompt at once, inside the same ``lax.while_loop``.
+
+A static batch is as slow as its longest response: every row waits for it. Here a slot whose prompt
+stops (stop token or ``max_new_tokens``) is emptied into a *harvest* buffer and prefilled with the next
+prompt in the same loop iteration, so the rows stay busy until the stream runs dry. The per-round work is
+the plain or speculative decoding's own (:func:`~retrace_jax.decoding.plain.plain_step`,
+:func:`~retrace_jax.decoding.speculative.speculative_round`), run over all slots as a batch; only what a
+slot holds changes.
+
+The host drives the stream in calls of one compiled program (:func:`stream_chunk`), each running up to a
+given number of rounds: it hands the program a *queue* (the next ``Q`` waiting prompts, padded to one
+fixed shape) and takes back the harvest (at most ``F`` finished prompts), so device memory is bounded by
+the slots, whatever the number of prompts, and a second call compiles nothing. The carry
+(:class:`StreamCarry`: the slots' caches, outputs and sampling state) is donated from call to call.
+
+**Refill.** The free slot takes the prompt's tokens through a prefill of fixed-shape chunks of
+``chunk`` tokens (``ceil(length / chunk)`` of them: the cost grows with the prompt, not with its bucket)
+over a one-row view of the batch's caches (:meth:`~retrace_jax.models.kv_cache.KVCache.row_view`): the
+target writes its keys and values into that row in place and, for speculative decoding, the drafter's
+context cache is filled from the target's features of the prompt, as the batch prefill fills it. Then the
+slot's output, acceptance record, ReTrace memory and random stream start afresh, and the first token is
+chosen from the prompt's last logits, as in the batch prefill.
+
+**Random streams.** Slot ``b`` holding prompt ``i`` draws with ``fold_in(PRNGKey(seed), i)`` (folded with
+its own step counter, which starts at 0 with the prompt), the key row ``i`` of a static batch uses. So a
+prompt's samples do not depend on the slot it lands in or on the round it starts in, and a stream gives
+the tokens of ``generate`` over the same prompts without ``slots``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from retrace_jax.decoding.buffers import spare_or_new
+from retrace_jax.decoding.commit import OutputBuffer, commit, stop_non_finite
+from retrace_jax.decoding.layer_loop import merge_target
+from retrace_jax.decoding.plain import PlainCarry, StepConstants, plain_step
+from retrace_jax.decoding.programs import DecodeProgram
+from retrace_jax.decoding.sampling import SamplingMode, SamplingParams, step_keys
+from retrace_jax.decoding.speculative import RoundConstants, SpecCarry, empty_memory, speculative_round
+from retrace_jax.models.draft_vocab import draft_head
+
+PREFILL_CHUNK = 32  # prompt tokens per prefill pass of a refilled slot (the last pass is padded)
+
+
+def prefill_chunk(prompt_len: int) -> int:
+    """The tokens per prefill pass for prompts padded to ``prompt_len``: :data:`PREFILL_CHUNK`, or the
+    padded length itself when it is shorter."""
+    return min(PREFILL_CHUNK, prompt_len)
+
+
+@struct.dataclass
+class Harvest:
+    """The prompts that finished during one call, in the order they finished (``count`` entries)."""
+
+    prompt_y: jax.Array  # [Y] the prompt's index (-1: an unused entry)
+    tokens_yo: jax.Array  # [Y, O] its new tokens; entries >= num are padding
+    num_y: jax.Array  # [Y] tokens committed
+    non_finite_y: jax.Array  # [Y] the target's logits were NaN or infinite (the row stopped there)
+    accept_yo: jax.Array | None  # [Y, O] a + 1 of each round (speculative decoding), else None
+    rounds_y: jax.Array | None  # [Y] rounds run
+    count: jax.Array  # int32 scalar
+
+    @classmethod
+    def empty(cls, size: int, capacity: int, speculative: bool):
+        zeros = jnp.zeros((size, capacity), jnp.int32)
+        return cls(jnp.full((size,), -1, jnp.int32), zeros, jnp.zeros((size,), jnp.int32), jnp.zeros((size,), bool),
+                   zeros if speculative else None, jnp.zeros((size,), jnp.int32) if speculative else None,
+                   jnp.zeros((), jnp.int32))
+
+
+@struct.dataclass
+class StreamCarry:
+    """What the stream carries from round to round and from call to call."""
+
+    step: PlainCarry | SpecCarry  # the slots as one batch: caches, outputs, anchors, ReTrace memory
+    keys_b: jax.Array  # [B, 2] the random stream of the prompt each slot holds
+    prompt_b: jax.Array  # [B] int32: the prompt a slot holds, -1 for a free slot
+    next_prompt: jax.Array  # int32 scalar: the first prompt not started yet
+    rounds: jax.Array  # int32 scalar: rounds run since the stream began
+
+
+def _set_row(tree, slot, row_tree):
+    """Every leaf of ``tree`` (batch-major) with row ``slot`` replaced by ``row_tree``'s single row."""
+    return jax.tree.map(lambda x, r: jax.lax.dynamic_update_index_in_dim(x, r.astype(x.dtype), slot, 0), tree, row_tree)
+
+
+def prefill_slot(target, drafter, target_cache, draft_cache, slot, tokens_p, length, chunk: int, attention="auto"):
+    """Prefills row ``slot`` of the caches with ``tokens[:length]`` in passes of ``chunk`` tokens (the
+    last one padded; what the padding writes lies past ``length``, where nothing reads it), leaving the
+    other rows as they are. Returns the caches (row ``slot`` of length ``length``) and the final-norm
+    state of the prompt's last token ``[d]``. ``drafter`` (or None): its context cache takes the target's
+    features of every prompt position, as :func:`~retrace_jax.decoding.speculative.speculative_init`
+    fills it."""
+    layer_ids = () if drafter is None else drafter.cfg.target_layer_ids
+    empty = jnp.zeros((1,), jnp.int32)
+    passes = (length + chunk - 1) // chunk
+
+    def one(i, state):
+        view_t, view_d, last = state
+        tokens = jax.lax.dynamic_slice_in_dim(tokens_p, i * chunk, chunk)[None]  # [1, chunk]
+        out = target(tokens, view_t, feature_layers=layer_ids, attention=attention)
+        if drafter is not None:
+            view_d = drafter.extend_cache(out.features, view_d)
+        here = jax.lax.dynamic_index_in_dim(out.hidden[0], jnp.clip(length - 1 - i * chunk, 0, chunk - 1), 0, False)
+        return out.cache, view_d, jnp.where(i == passes - 1, here.astype(last.dtype), last)
+
+    views = (target_cache.row_view(slot, empty), None if drafter is None else draft_cache.row_view(slot, empty),
+             jnp.zeros((target.cfg.hidden_size,), target.dtype))
+    view_t, view_d, last = jax.lax.fori_loop(0, passes, one, views)
+    target_cache = view_t.whole(target_cache.lengths.at[slot].set(length))
+    if drafter is not None:
+        draft_cache = view_d.whole(draft_cache.lengths.at[slot].set(length))
+    return target_cache, draft_cache, last
+
+
+def _start_slot(models, consts, step, slot, tokens_p, length, key, chunk):
+    """Row ``slot`` of the step carry taken over by a new prompt: prefilled, its output, acceptance
+    record and ReTrace memory reset, and the first token (key step 0) committed."""
+    target, drafter = models
+    speculative = isinstance(step, SpecCarry)
+    target_cache = step.target_cache if speculative else step.cache
+    target_cache, draft_cache, last_d = prefill_slot(target, drafter, target_cache,
+                                                     step.draft_cache if speculative else None, slot, tokens_p,
+                                                     length, chunk, consts.attention)
+    logits_1v = target.logits(last_d[None])
+    first = consts.sampling.choose(step_keys(key[None], jnp.zeros((1,), jnp.int32)), logits_1v, consts.mode)
+    capacity = step.buf.tokens.shape[1]
+    buf = stop_non_finite(OutputBuffer.empty(1, capacity), logits_1v)
+    buf = commit(buf, first[:, None], jnp.ones((1,), jnp.int32), consts.max_new, consts.stop_ids)
+    buf = _set_row(step.buf, slot, buf)
+    if not speculative:
+        return PlainCarry(target_cache.constrain(consts.mesh), buf, step.last_b.at[slot].set(first[0]))
+    memory = step.memory
+    if memory is not None:  # the empty memory of a new prompt, as speculative_init makes it
+        memory = _set_row(memory, slot, empty_memory(models, 1, memory.valid.shape[1]))
+    return SpecCarry(
+        target_cache=target_cache.constrain(consts.mesh),
+        draft_cache=draft_cache.constrain(consts.mesh),
+        buf=buf,
+        anchor_b=step.anchor_b.at[slot].set(first[0]),
+        accept_br=step.accept_br.at[slot].set(0),
+        rounds_b=step.rounds_b.at[slot].set(0),
+        memory=memory,
+    )
+
+
+def _harvest(c: StreamCarry, h: Harvest) -> tuple[StreamCarry, Harvest]:
+    """Moves every slot whose prompt has finished into the harvest and frees the slot."""
+    buf = c.step.buf
+    finished = (c.prompt_b >= 0) & buf.done
+    size = h.prompt_y.shape[0]
+    at = jnp.where(finished, h.count + jnp.cumsum(finished) - 1, size)  # out of range: dropped
+
+    def put(dst, src):
+        return dst.at[at].set(src.astype(dst.dtype), mode="drop")
+
+    speculative = isinstance(c.step, SpecCarry)
+    h = Harvest(
+        prompt_y=put(h.prompt_y, c.prompt_b),
+        tokens_yo=put(h.tokens_yo, buf.tokens),
+        num_y=put(h.num_y, buf.num),
+        non_finite_y=put(h.non_finite_y, buf.non_finite),
+        accept_yo=put(h.accept_yo, c.step.accept_br) if speculative else None,
+        rounds_y=put(h.rounds_y, c.step.rounds_b) if speculative else None,
+        count=h.count + jnp.sum(finished, dtype=jnp.int32),
+    )
+    return c.replace(prompt_b=jnp.where(finished, -1, c.prompt_b)), h
+
+
+def _stream_loop(models, consts, carry: StreamCarry, queue_tokens_qp, queue_lens_q, queue_first, num_prompts,
+                 max_rounds, *, harvest_size: int, chunk: int, round_fn):
+    """Iterations of refill (free slots take waiting prompts), one round over all slots, harvest, until
+    ``max_rounds`` rounds, until no slot holds a prompt and none can start, until the harvest might not
+    hold another round's finishes, or until a free slot waits for a prompt past the queue (the host then
+    hands over the next queue). The refill sits inside the loop, before the round, so that the program
+    traces (and XLA compiles) the slot prefill once."""
+    batch = carry.prompt_b.shape[0]
+    queued = queue_tokens_qp.shape[0]
+    base = jax.random.PRNGKey(consts.sampling.seed)
+
+    def waiting(c):
+        return c.next_prompt < num_prompts
+
+    def in_queue(c):
+        return c.next_prompt - queue_first < queued
+
+    def can_refill(state):
+        # Room for a whole round's finishes after this prompt's (the round that follows may finish every slot).
+        c, h = state
+        return jnp.any(c.prompt_b < 0) & waiting(c) & in_queue(c) & (h.count < harvest_size - batch)
+
+    def refill_one(state):
+        c, h = state
+        slot = jnp.argmax(c.prompt_b < 0).astype(jnp.int32)
+        q = c.next_prompt - queue_first
+        key = jax.random.fold_in(base, c.next_prompt)  # the prompt's stream, wherever it runs (module docstring)
+        step = _start_slot(models, consts, c.step, slot, queue_tokens_qp[q], queue_lens_q[q], key, chunk)
+        c = c.replace(step=step, keys_b=c.keys_b.at[slot].set(key), prompt_b=c.prompt_b.at[slot].set(c.next_prompt),
+                      next_prompt=c.next_prompt + 1)
+        return _harvest(c, h)  # a prompt that its first token ends (a stop token, max_new_tokens 1) leaves at once
+
+    def go_on(state):
+        (c, h), n = state
+        starved = jnp.any(c.prompt_b < 0) & waiting(c) & ~in_queue(c)
+        work = jnp.any(c.prompt_b >= 0) | can_refill((c, h))
+        return (n < max_rounds) & work & (h.count <= harvest_size - batch) & ~starved
+
+    def one_round(state):
+        (c, h), n = state
+        c, h = jax.lax.while_loop(can_refill, refill_one, (c, h))
+        step = round_fn(consts.replace(keys_b=c.keys_b), c.step)
+        c, h = _harvest(c.replace(step=step, rounds=c.rounds + 1), h)
+        return (c, h), n + 1
+
+    capacity = carry.step.buf.tokens.shape[1]
+    state = (carry, Harvest.empty(harvest_size, capacity, isinstance(carry.step, SpecCarry)))
+    (carry, harvest), _ = jax.lax.while_loop(go_on, one_round, (state, jnp.zeros((), jnp.int32)))
+    in_flight = jnp.sum(jnp.where(carry.prompt_b >= 0, carry.step.buf.num, 0))
+    return carry, harvest, in_flight
+
+
+def _models(target_def, target_state, drafter_def, drafter_state, layer_loop, kept):
+    target = merge_target(target_def, target_state, layer_loop, kept)
+    return target, None if drafter_def is None else nnx.merge(drafter_def, drafter_state)
+
+
+def _constants(models, max_new, stop_ids, sampling, batch, *, mode, mesh, attention, block_size):
+    target, drafter = models
+    keys = jnp.zeros((batch, 2), jnp.uint32)  # replaced by each slot's own before every round
+    if drafter is None:
+        return StepConstants(keys, jnp.asarray(max_new, jnp.int32), stop_ids, sampling, mode=mode, mesh=mesh,
+                             attention=attention)
+    return RoundConstants(keys, jnp.asarray(max_new, jnp.int32), stop_ids, sampling, block_size=block_size, mode=mode,
+                          mesh=mesh, attention=attention, draft_head=draft_head(target, drafter))
+
+
+STATIC = ("target_def", "drafter_def", "slots", "max_len", "capacity", "block_size", "use_retrace", "mode", "mesh",
+          "cache_dtype", "attention", "layer_loop")
+
+
+@functools.partial(DecodeProgram, static_argnames=STATIC, donate_argnames=("spare",))
+def stream_init(target_def, target_state, drafter_def, drafter_state, *, slots, max_len, capacity, block_size=0,
+                use_retrace=True, mode: SamplingMode = SamplingMode(), mesh=None, cache_dtype=None, attention="auto",
+                layer_loop="auto", kept=None, spare=None) -> StreamCarry:
+    """The carry of a stream whose ``slots`` are all free: caches for ``max_len`` positions per slot (the
+    ``spare`` ones when given, donated: see ``retrace_jax/decoding/buffers.py``), empty outputs."""
+    target, drafter = _models(target_def, target_state, drafter_def, drafter_state, layer_loop, kept)
+    spare = (None, None) if spare is None else spare
+    cache = spare_or_new(target, slots, max_len, cache_dtype, spare[0], "the target's cache").constrain(mesh)
+    buf = OutputBuffer.empty(slots, capacity, jnp.ones((slots,), bool))  # a free slot is a finished row
+    zeros = jnp.zeros((slots,), jnp.int32)
+    if drafter is None:
+        step = PlainCarry(cache, buf, zeros)
+    else:
+        draft_cache = spare_or_new(drafter, slots, max_len, cache_dtype, spare[1], "the drafter's cache").constrain(mesh)
+        memory = empty_memory((target, drafter), slots, block_size) if use_retrace else None
+        step = SpecCarry(cache, draft_cache, buf, zeros, jnp.zeros((slots, capacity), jnp.int32), zeros, memory)
+    return StreamCarry(step, jnp.zeros((slots, 2), jnp.uint32), jnp.full((slots,), -1, jnp.int32),
+                       jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+
+
+@functools.partial(DecodeProgram, static_argnames=STATIC + ("harvest_size", "chunk"), donate_argnames=("carry",))
+def stream_chunk(target_def, target_state, drafter_def, drafter_state, carry: StreamCarry, queue_tokens_qp,
+                 queue_lens_q, queue_first, num_prompts, max_rounds, max_new, stop_ids, sampling: SamplingParams, *,
+                 slots, max_len, capacity, harvest_size, chunk, block_size=0, use_retrace=True,
+                 mode: SamplingMode = SamplingMode(), mesh=None, cache_dtype=None, attention="auto",
+                 layer_loop="auto", kept=None):
+    """One call of a stream: up to ``max_rounds`` rounds over the slots of ``carry`` (donated), refilling
+    free slots from the queue (``queue_tokens[q, :queue_lens[q]]`` is prompt ``queue_first + q``; prompts
+    from ``num_prompts`` on do not exist). Returns the carry, the :class:`Harvest` of the prompts that
+    finished, and the tokens committed so far by the prompts still in their slots. ``slots``, ``max_len``,
+    ``cache_dtype`` and ``use_retrace`` only name the carry's shapes (they are those of
+    :func:`stream_init`)."""
+    del max_len, cache_dtype, use_retrace
+    models = _models(target_def, target_state, drafter_def, drafter_state, layer_loop, kept)
+    consts = _constants(models, max_new, stop_ids, sampling, slots, mode=mode, mesh=mesh, attention=attention,
+                        block_size=block_size)
+    if models[1] is None:
+        round_fn = functools.partial(plain_step, models[0])
+    else:
+        round_fn = lambda consts, step: speculative_round(models, consts, step)[0]  # noqa: E731
+    return _stream_loop(models, consts, carry, queue_tokens_qp, queue_lens_q, queue_first, num_prompts, max_rounds,
+                        harvest_size=harvest_size, chunk=chunk, round_fn=round_fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamProgress:
+    """Where a stream stands after one call (``generate(..., slots=N, progress=fn)`` calls ``fn`` with it)."""
+
+    prompts_done: int  # prompts finished
+    prompts_total: int
+    tokens_done: int  # new tokens of the finished prompts and those committed so far by prompts in flight
+    rounds: int  # rounds (plain: steps) run over the slots
+    calls: int  # calls of the compiled program so far
+    seconds: float  # since the stream began
+
+
+@dataclasses.dataclass
+class StreamResult:
+    tokens: list[list[int]]  # in prompt order
+    acceptance_lengths: list[list[int]] | None  # speculative decoding: a + 1 of each round, per prompt
+    rounds: int
+    calls: int
+
+
+def run_stream(target_def, target_state, drafter_def, drafter_state, prompts, *, slots: int, prompt_len: int,
+               max_new, stop_ids, sampling: SamplingParams, capacity: int, block_size: int = 0,
+               use_retrace: bool = True, mode: SamplingMode = SamplingMode(), mesh=None, cache_dtype=None,
+               attention="auto", layer_loop="auto", kept=None, spare=None, rounds_per_call: int = 64,
+               progress=None, fetch=jax.device_get):
+    """Decodes ``prompts`` (token-id lists of at most ``prompt_len`` tokens, a multiple of
+    :func:`prefill_chunk`) through ``slots`` rows, one :func:`stream_chunk` call after another, and
+    returns the :class:`StreamResult` and the caches (to keep for the next call: ``spare``).
+
+    The host hands each call the next ``2 * slots`` waiting prompts and takes back what finished; the
+    call returns after ``rounds_per_call`` rounds, or earlier once more than ``slots`` prompts have
+    finished in it (its harvest of ``2 * slots`` entries might not hold another round's finishes) or when
+    a free slot waits for a prompt past the queue. ``progress`` (a callable,
+    or None) receives a :class:`StreamProgress` after every call. Raises ``FloatingPointError`` for prompts
+    whose target logits were not finite (the stream stops there; its caches are not kept)."""
+    queued = harvest_size = 2 * slots
+    chunk = prefill_chunk(prompt_len)
+    static = dict(slots=slots, max_len=spare_max_len(prompt_len, capacity, block_size), capacity=capacity,
+                  block_size=block_size, use_retrace=use_retrace, mode=mode, mesh=mesh, cache_dtype=cache_dtype,
+                  attention=attention, layer_loop=layer_loop)
+    carry = stream_init(target_def, target_state, drafter_def, drafter_state, kept=kept, spare=spare, **static)
+    total = len(prompts)
+    tokens: list = [None] * total
+    accept: list | None = None if drafter_def is None else [None] * total
+    start, first, done, calls, rounds, tokens_done = time.perf_counter(), 0, 0, 0, 0, 0
+    while done < total:
+        queue_tokens = np.zeros((queued, prompt_len), np.int32)
+        queue_lens = np.ones((queued,), np.int32)
+        for q, p in enumerate(prompts[first:first + queued]):
+            queue_tokens[q, :len(p)] = p
+            queue_lens[q] = len(p)
+        carry, harvest, in_flight = stream_chunk(
+            target_def, target_state, drafter_def, drafter_state, carry, queue_tokens, queue_lens, np.int32(first),
+            np.int32(total), np.int32(rounds_per_call), max_new, stop_ids, sampling, harvest_size=harvest_size,
+            chunk=chunk, kept=kept, **static)
+        h, next_prompt, now_rounds, in_flight = fetch((harvest, carry.next_prompt, carry.rounds, in_flight))
+        calls += 1
+        count = int(h.count)
+        if count == 0 and int(next_prompt) == first and int(now_rounds) == rounds:
+            raise RuntimeError("generate: a stream call finished no prompt, started none and ran no round")  # a bug
+        first, rounds = int(next_prompt), int(now_rounds)
+        bad = sorted(int(i) for i in h.prompt_y[:count][h.non_finite_y[:count]])
+        if bad:
+            raise FloatingPointError(non_finite_message(bad))
+        for f in range(count):
+            i, n = int(h.prompt_y[f]), int(h.num_y[f])
+            tokens[i] = h.tokens_yo[f, :n].tolist()
+            tokens_done += n
+            if accept is not None:
+                accept[i] = h.accept_yo[f, :int(h.rounds_y[f])].tolist()
+        done += count
+        if progress is not None:
+            progress(StreamProgress(done, total, tokens_done + int(in_flight), rounds, calls,
+                                    time.perf_counter() - start))
+    step = carry.step
+    caches = (step.cache,) if drafter_def is None else (step.target_cache, step.draft_cache)
+    return StreamResult(tokens, accept, rounds, calls), caches
+
+
+def spare_max_len(prompt_len: int, capacity: int, block_size: int) -> int:
+    """Positions per slot: the padded prompt, the output capacity and (speculative decoding) one block
+    past the last kept token, which a verify pass may reach."""
+    return prompt_len + capacity + block_size
+
+
+def non_finite_message(prompts: list[int]) -> str:
+    return (f"the target's logits were NaN or infinite for prompt(s) {prompts}: its weights or its config (e.g. "
+            f"rms_norm_eps, rope_theta) make the forward pass overflow or divide by zero; no tokens are "
+            f"returned, since a greedy choice among NaNs would be an arbitrary token")
