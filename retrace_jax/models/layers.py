@@ -35,7 +35,7 @@ def products(lhs, rhs, dimension_numbers, precision=None, preferred_element_type
     because XLA:CPU ignores it, where it runs batched products 2-3x faster on processors with AVX-512
     BF16 (docs/performance.md). A layer's product ``[..., in] x [in, out]`` differentiates the same way
     (:func:`_bfloat16_matmul`: the gradients' products take bfloat16 operands too, with float32 results),
-    which makes a training step faster as well. Otherwise, and for other dtypes, the plain product."""
+    so that a training step's products are all bfloat16 ones. Otherwise, and for other dtypes, the plain product."""
     if (jax.config.jax_default_matmul_precision == "bfloat16" and lhs.dtype == jnp.float32
             and rhs.dtype == jnp.float32 and preferred_element_type in (None, jnp.float32)):
         if rhs.ndim == 2 and tuple(map(tuple, dimension_numbers[0])) == ((lhs.ndim - 1,), (0,)) \
@@ -47,29 +47,28 @@ def products(lhs, rhs, dimension_numbers, precision=None, preferred_element_type
                                preferred_element_type=preferred_element_type, **kwargs)
 
 
-def _matmul(x_ni, w_io):
-    """``[..., I] x [I, O] -> [..., O]`` accumulated in float32 (letters here: N any leading dimensions,
-    I the contracted width, O the output width)."""
-    return jax.lax.dot_general(x_ni, w_io, (((x_ni.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+def _matmul(x, w):
+    """``x [..., din] @ w [din, dout] -> [..., dout]``, accumulated in float32."""
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 @jax.custom_vjp
-def _bfloat16_matmul(x_ni, w_io):
+def _bfloat16_matmul(x, w):
     """``x @ w`` of float32 arrays through bfloat16 operands and float32 accumulation, forward and
     backward: the input gradient is ``ct @ w.T`` and the weight gradient ``x.T @ ct`` of bfloat16
     operands (the cotangent rounded once), where autodiff of the rounded product would leave both in
     float32 (a mixed product is promoted)."""
-    return _matmul(x_ni.astype(jnp.bfloat16), w_io.astype(jnp.bfloat16))
+    return _matmul(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
 
 
-def _bfloat16_matmul_fwd(x_ni, w_io):
-    x, w = x_ni.astype(jnp.bfloat16), w_io.astype(jnp.bfloat16)
+def _bfloat16_matmul_fwd(x, w):
+    x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
     return _matmul(x, w), (x, w)
 
 
-def _bfloat16_matmul_bwd(residuals, ct_no):
+def _bfloat16_matmul_bwd(residuals, ct):
     x, w = residuals
-    ct = ct_no.astype(jnp.bfloat16)
+    ct = ct.astype(jnp.bfloat16)
     grad_x = jax.lax.dot_general(ct, w, (((ct.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     grad_w = jax.lax.dot_general(x.reshape(-1, x.shape[-1]), ct.reshape(-1, ct.shape[-1]), (((0,), (0,)), ((), ())),
                                  preferred_element_type=jnp.float32)
