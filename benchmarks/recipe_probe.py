@@ -395,11 +395,13 @@ def snapshot(source: str, shards: int, dest: str) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run", help="train a probe (resumable) and measure it")
+    trains = argparse.ArgumentParser(add_help=False)  # what run and memorize train from
+    trains.add_argument("--config", required=True)
+    trains.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override (repeatable)")
+    trains.add_argument("--root", default=os.path.join(ROOT, "runs", "probes"))
+    r = sub.add_parser("run", parents=[trains], help="train a probe (resumable) and measure it")
     r.add_argument("name", help="the probe's name: its directory under --root")
-    r.add_argument("--config", required=True)
-    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (repeatable)")
-    r.add_argument("--root", default=os.path.join(ROOT, "runs", "probes"))
     r.add_argument("--dev", default=DEV, help="the dev prompt file (JSONL)")
     r.add_argument("--dev-lines", default="128:192", help="START:STOP: the dev prompts' lines (0-based)")
     r.add_argument("--fit", type=int, default=64, help="training prompts spread over the data (the fit set)")
@@ -408,11 +410,9 @@ def main(argv=None):
     r.add_argument("--out", help="also write the result here")
     r.add_argument("--again", action="store_true", help="train and measure even if NAME has a result")
     r.add_argument("--sets-only", action="store_true", help="only build the dev and fit sets and their features")
-    m = sub.add_parser("memorize", help="how fast a configuration fits the same few sequences (minutes)")
+    m = sub.add_parser("memorize", parents=[trains],
+                       help="how fast a configuration fits the same few sequences (minutes)")
     m.add_argument("name", help="the result's name: ROOT/_memorize/NAME.json")
-    m.add_argument("--config", required=True)
-    m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override (repeatable)")
-    m.add_argument("--root", default=os.path.join(ROOT, "runs", "probes"))
     m.add_argument("--sequences", type=int, default=4, help="training sequences, the same at every step")
     m.add_argument("--steps", type=int, default=100)
     m.add_argument("--every", type=int, default=10, help="log every this many steps")

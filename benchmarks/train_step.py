@@ -86,8 +86,9 @@ def main(argv=None):
         state, opt_state, metrics = step(target_state, state, opt_state, tokens, mask, jnp.int32(0), jnp.uint32(0),
                                          *feats)
         jax.block_until_ready(metrics)
-        runs[size, precision] = {"step": step, "state": state, "opt": opt_state, "compile_s": time.perf_counter() - start,
-                      "times": []}
+        runs[size, precision] = {"step": step, "state": state, "opt": opt_state,
+                                 "compile_s": time.perf_counter() - start,
+                                 "times": []}
     for i in range(args.repeats):  # the settings alternate, so load changes hit them alike
         for r in runs.values():
             start = time.perf_counter()
@@ -104,7 +105,9 @@ def main(argv=None):
               "device": jax.devices()[0].platform}
     for (size, precision), r in runs.items():
         ms = 1e3 * float(np.median(r["times"]))
-        label = f"draft vocabulary {size or cfg.vocab_size}" + (f", {precision} products" if len(precisions) > 1 else "")
+        label = f"draft vocabulary {size or cfg.vocab_size}"
+        if len(precisions) > 1:
+            label += f", {precision} products"
         result[f"step ms, {label} (x first)"] = f"{ms:.1f} ({ms / (1e3 * whole):.3f})"
     report(result, args.out)
 

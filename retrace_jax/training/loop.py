@@ -170,7 +170,8 @@ def run_settings(cfg: TrainConfig, drafter, num_sequences: int) -> dict:
         "rounds": t.rounds if retrace else None, "round_weights": list(weights) if retrace else None,
         "memory_dropout": t.memory_dropout if retrace else None, "miss_weight": t.miss_weight if retrace else None,
         "correction_source": t.correction_source, "beta_warmup_steps": t.beta_warmup_steps,
-        "compute_dtype": t.compute_dtype, "precision": t.precision, "memory_dtype": t.memory_dtype, "block_size": drafter_cfg.block_size,
+        "compute_dtype": t.compute_dtype, "precision": t.precision, "memory_dtype": t.memory_dtype,
+        "block_size": drafter_cfg.block_size,
         "slot_weights": t.slot_weights, "schedule": t.schedule, "length_buckets": t.length_buckets,
         # the features' products: the store's follow target_precision, the step's are JAX's default
         "feature_precision": cfg.target_precision if t.feature_cache else "float32",
