@@ -24,8 +24,9 @@ fi
 PROBES=(
     "base"
     "qknorm drafter.init_qk_norm=target"
-    "b4 drafter.block_size=4 train.num_anchors=64"
+    "fnorm drafter.init_final_norm=true"
     "copy drafter.init_qk_norm=target drafter.attention_bias=true drafter.init_final_norm=true"
+    "b4 drafter.block_size=4 train.num_anchors=64"
     "norm drafter.init_final_norm=true drafter.init_fc=mean"
     "anchors64 train.num_anchors=64 train.batch_size=4"
     "lr3e-3 train.lr=3.0e-3"
