@@ -127,8 +127,13 @@ def plain_step_ms(tdef, tstate, batch, context, steps, attention="auto", layer_l
 
 # XLA option sets compared side by side in variant_rows (as ``benchmarks/step_profile.py --options`` takes
 # them): a GPU's cuBLAS products reading a (dynamic-)slice of a stacked weight in place instead of a copy of
-# it, and CUDA graphs off (one launch per kernel) against XLA's default.
-VARIANT_OPTIONS = {"gpu": ("xla_gpu_enable_dynamic_slice_fusion=true", "xla_gpu_enable_command_buffer=")}
+# it; CUDA graphs off (one launch per kernel), and CUDA graphs that also take while loops and conditionals
+# (with the library calls), against XLA's default; XLA's dot merger off (it concatenates products that
+# share an operand, e.g. gate and up weights, at every step); the products through cuBLAS instead of
+# Triton.
+VARIANT_OPTIONS = {"gpu": ("xla_gpu_enable_dynamic_slice_fusion=true", "xla_gpu_enable_command_buffer=",
+                           "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE",
+                           "xla_gpu_dot_merger_threshold_mb=0", "xla_gpu_enable_triton_gemm=false")}
 LOOP_VARIANTS = (("scan", "scan", False), ("unrolled, one copy", "unrolled", False),
                  ("unrolled, per-layer copies", "unrolled", True))
 

@@ -53,11 +53,13 @@ def pallas_op(module: str):
     """Imports ``jax.experimental.pallas.ops.<module>`` when a kernel is first used, with a clear error
     where this JAX does not ship it; ``"split_gpu"``: this library's own kernel
     (:mod:`retrace_jax.attention.split_decode`, which imports Pallas)."""
-    name = "retrace_jax.attention.split_decode" if module == "split_gpu" else f"jax.experimental.pallas.ops.{module}"
+    own = module == "split_gpu"
+    name = "retrace_jax.attention.split_decode" if own else f"jax.experimental.pallas.ops.{module}"
+    needs = "jax.experimental.pallas and its Triton module" if own else name
     try:
         return importlib.import_module(name)
     except ImportError as e:
-        raise RuntimeError(f"this attention implementation needs {name}, which JAX {jax.__version__} does not "
+        raise RuntimeError(f"this attention implementation needs {needs}, which JAX {jax.__version__} does not "
                            f"provide ({e}); use attention='auto' or 'chunked'") from e
 
 
