@@ -5,8 +5,8 @@ One program per (row ``b``, KV head ``k``, block of ``M`` queries, split ``j``) 
 its KV head (``M`` rows: query ``t`` and head ``g`` at row ``t * G + g``, padded to the block) and walks its
 share of the row's filled slots in blocks of ``block_k``: the slots up to the largest limit of its queries are
 cut into :attr:`SplitPlan.splits` equal runs of whole blocks, so the work follows the text, not ``S``, and a
-short text still spreads over as many programs as it has blocks (up to the splits). Each query masks the slots ``s >= limit[b, t]`` (a verify pass's
-causal block needs no second walk). Keys and values are loaded at a dynamic offset of the whole cache
+short text still spreads over as many programs as it has blocks (up to the splits). Each query masks the
+slots ``s >= limit[b, t]`` (a verify pass's causal block needs no second walk). Keys and values are loaded at a dynamic offset of the whole cache
 (layer, row, head, slot): no copy of the layer is made, whether ``layer`` is static (unrolled layers) or
 traced (a scan). Each program writes its float32 softmax partials (max, sum, weighted values);
 :func:`split_cached` merges the splits and folds in the extra keys with the chunked walk's online softmax
@@ -61,7 +61,16 @@ def split_plan(b: int, kv: int, m: int, s: int, d: int) -> SplitPlan | None:
     return SplitPlan(block_m, block_k, splits)
 
 
-def _kernel(layer_ref, limit_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, plan: SplitPlan, rows: int):
+def product_precision(dtype):
+    """The precision of the kernel's products: full float32 products (``HIGHEST``) for float32 queries
+    under ``jax.default_matmul_precision("highest")`` or ``("float32")``, as XLA computes the other paths
+    there; else the device's default (Triton computes float32 products in TF32 on NVIDIA GPUs)."""
+    full = jax.config.jax_default_matmul_precision in ("highest", "float32")
+    return jax.lax.Precision.HIGHEST if full and jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _kernel(layer_ref, limit_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, plan: SplitPlan, rows: int,
+            precision=None):
     """One program: queries ``q_ref`` ``[block_m, D]`` with their limits ``limit_ref`` ``[block_m]`` (0 for
     padding rows) over its split of the slots of the cache ``k_ref``/``v_ref`` ``[L, B, K, S, D]`` (whole,
     in place); writes the partials of its real rows (``< rows``)."""
@@ -81,9 +90,9 @@ def _kernel(layer_ref, limit_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *,
         start = (first + n) * block_k
         k = k_ref[layer, b, h, pl.ds(start, block_k), :].astype(q.dtype)
         v = v_ref[layer, b, h, pl.ds(start, block_k), :]
-        scores = plgpu.dot(q, k, trans_b=True) * d**-0.5  # [block_m, block_k], float32
+        scores = plgpu.dot(q, k, trans_b=True, precision=precision) * d**-0.5  # [block_m, block_k], float32
         visible = (start + offsets)[None, :] < limit[:, None]
-        return softmax_step(state, scores, visible, lambda p: plgpu.dot(p.astype(v.dtype), v))
+        return softmax_step(state, scores, visible, lambda p: plgpu.dot(p.astype(v.dtype), v, precision=precision))
 
     init = (jnp.full((block_m,), NEG, jnp.float32), jnp.zeros((block_m,), jnp.float32),
             jnp.zeros((block_m, d), jnp.float32))
@@ -105,7 +114,7 @@ def split_partials(q_bkmd, limit_bm, k_lbksd, v_lbksd, layer, plan: SplitPlan):
     bm, x = plan.block_m, plan.splits
     whole = pl.BlockSpec()  # the whole array, not blocked over the grid
     acc, m, l = pl.pallas_call(
-        functools.partial(_kernel, plan=plan, rows=rows),
+        functools.partial(_kernel, plan=plan, rows=rows, precision=product_precision(q_bkmd.dtype)),
         grid=grid,
         in_specs=[whole,  # the layer index [1]
                   pl.BlockSpec((None, bm), lambda b_, h, i, j: (b_, i)),

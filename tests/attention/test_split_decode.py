@@ -126,22 +126,30 @@ def test_split_gpu_needs_a_gpu():
             cached_attention(q, k, v, 0, limit, implementation="split_gpu")
 
 
-def test_split_gpu_lowers_for_cuda_reading_the_cache_in_place(monkeypatch):
+@pytest.mark.parametrize("t,dtype,precision", [(16, jnp.bfloat16, None), (1, jnp.float32, "highest"),
+                                               (64, jnp.bfloat16, None)])
+def test_split_gpu_lowers_for_cuda_reading_the_cache_in_place(monkeypatch, t, dtype, precision):
     """Lowered for CUDA (no GPU needed to lower), the call is one Triton kernel whose operands are the
     stacked cache's keys and values themselves (the jitted function's arguments 1 and 2), of a 36-layer,
     Qwen3-4B-shaped cache: no slice or copy of a layer comes before it, whether the layer is traced or
-    static."""
+    static. Decode, verify and 64-query (4 query blocks) calls; float32 with full products."""
     monkeypatch.setattr(kernels, "check_pallas_backend", lambda implementation: None)
-    q = jax.ShapeDtypeStruct((2, 16, 32, 128), jnp.bfloat16)
-    cache = jax.ShapeDtypeStruct((36, 2, 8, 1024, 128), jnp.bfloat16)
-    limit = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+    q = jax.ShapeDtypeStruct((2, t, 32, 128), dtype)
+    cache = jax.ShapeDtypeStruct((36, 2, 8, 1024, 128), dtype)
+    limit = jax.ShapeDtypeStruct((2, t), jnp.int32)
     for layer in (jax.ShapeDtypeStruct((), jnp.int32), 7):
         fn = jax.jit(lambda q, k, v, lim, layer: cached_attention(q, k, v, layer, lim, implementation="split_gpu"),
                      static_argnums=() if isinstance(layer, jax.ShapeDtypeStruct) else 4)
-        text = fn.trace(q, cache, cache, limit, layer).lower(lowering_platforms=("cuda",)).as_text()
+        with jax.default_matmul_precision(precision):
+            text = fn.trace(q, cache, cache, limit, layer).lower(lowering_platforms=("cuda",)).as_text()
         calls = re.findall(r"stablehlo\.custom_call @__gpu\$xla\.gpu\.triton\(([^)]*)\)", text)
         assert len(calls) == 1 and calls[0].split(", ")[3:] == ["%arg1", "%arg2"], calls
-        assert "36x2x8x1024x128xbf16" in text and "dynamic_slice" not in text
+        assert f"36x2x8x1024x128x{jnp.dtype(dtype).name.replace('float', 'f')}" in text
+        assert "dynamic_slice" not in text
+    assert split_decode.product_precision(jnp.float32) is None  # outside the precision context
+    with jax.default_matmul_precision("highest"):
+        assert split_decode.product_precision(jnp.float32) == jax.lax.Precision.HIGHEST
+        assert split_decode.product_precision(jnp.bfloat16) is None
 
 
 def test_generate_through_split_gpu_gives_the_same_tokens(monkeypatch):
