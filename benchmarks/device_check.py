@@ -436,7 +436,8 @@ def lossless_rows(name, cfg, block_size, new_tokens):
     matmul precision, in float32 at ``"highest"`` (through ``"auto"`` only), and in bfloat16. Only full
     float32 products must agree on every path: a GPU's default float32 matmul is TF32, and it, like
     bfloat16, rounds a verify pass of ``block_size`` rows and one-row steps differently, which decides
-    near-ties of the logits apart."""
+    near-ties of the logits apart. At ``"highest"``, ``"split_gpu"`` too where its kernel runs (a GPU, or
+    ``--pallas-interpret``)."""
     cfg = dataclasses.replace(cfg, num_layers=4)
     prompt = [[(7 * i) % 1000 + 1 for i in range(64)], [(11 * i) % 997 + 3 for i in range(40)]]
     rows = []
@@ -444,15 +445,24 @@ def lossless_rows(name, cfg, block_size, new_tokens):
         target = tiny_target(cfg=cfg, dtype=dtype)
         drafter = rj.init_drafter(cfg, mask_token_id=cfg.vocab_size - 1, num_layers=1, block_size=block_size,
                                   dtype=dtype)
-        for attention in ("auto",) if precision else ("auto", "chunked"):  # "highest": the default path
-            with jax.default_matmul_precision(precision):
-                plain = rj.generate(target, prompt, new_tokens, attention=attention).tokens
-                spec = rj.generate(target, prompt, new_tokens, drafter=drafter, attention=attention).tokens
+        # "highest": the default path, and the in-place decode kernel where it runs (its float32 products
+        # are full there)
+        split = ("split_gpu",) if "split_gpu" in kernels("decode") else ()
+        for attention in ("auto",) + split if precision else ("auto", "chunked"):
+            base = {"model": f"{name}, 4 layers", "what": f"lossless ({attention})", "dtype": jnp.dtype(dtype).name,
+                    "precision": precision or "default", "batch": 2}
+            try:
+                with jax.default_matmul_precision(precision):
+                    plain = rj.generate(target, prompt, new_tokens, attention=attention).tokens
+                    spec = rj.generate(target, prompt, new_tokens, drafter=drafter, attention=attention).tokens
+            except Exception as e:  # noqa: BLE001  (a kernel that fails here is a result to report)
+                if attention in ("auto", "chunked"):
+                    raise
+                rows.append({**base, "error": failure(e)})
+                continue
             pairs = zip(plain[0] + plain[1], spec[0] + spec[1])
             first = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
-            rows.append({"model": f"{name}, 4 layers", "what": f"lossless ({attention})",
-                         "dtype": jnp.dtype(dtype).name, "precision": precision or "default", "batch": 2,
-                         "same_tokens": plain == spec, "first_difference": first})
+            rows.append({**base, "same_tokens": plain == spec, "first_difference": first})
     return rows
 
 

@@ -73,8 +73,9 @@ Two implementations share one meaning:
   checked and timed it on the device.
 
 The Pallas kernels run on their device, or anywhere in interpret mode inside :func:`pallas_interpret`.
-The score and softmax arithmetic is float32 whatever the cache dtype (the Pallas GPU kernels' matmuls use
-the device's default precision).
+The score and softmax arithmetic is float32 whatever the cache dtype (the matmuls of JAX's Pallas GPU
+kernel use the device's default precision, TF32 for float32 on NVIDIA GPUs; ``"split_gpu"``'s are full
+float32 products under ``jax.default_matmul_precision("highest")``).
 """
 
 from __future__ import annotations
