@@ -154,8 +154,9 @@ def test_split_gpu_lowers_for_cuda_reading_the_cache_in_place(monkeypatch, t, dt
 
 def test_generate_through_split_gpu_gives_the_same_tokens(monkeypatch):
     """generate(attention="split_gpu") with the kernel in interpret mode gives the chunked path's greedy
-    tokens, plain and speculative (the block-16 oracle drafter of tests/oracle.py: verify and draft calls
-    of 16 queries, rounds that accept many of them), and the kernel is part of the programs."""
+    tokens, plain (unrolled layers, as a CPU runs them, and a scan over layers) and speculative (the
+    block-16 oracle drafter of tests/oracle.py: verify and draft calls of 16 queries, rounds that accept
+    many of them), and the kernel is part of the programs."""
     import retrace_jax as rj
     from retrace_jax.models.tiny import tiny_target
     from tests.oracle import Oracle
@@ -171,7 +172,7 @@ def test_generate_through_split_gpu_gives_the_same_tokens(monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(split_decode, "split_cached", counted)
-    for kw in ({}, {"drafter": drafter}):
+    for kw in ({}, {"layer_loop": "scan"}, {"drafter": drafter}):
         want = rj.generate(target, prompts, 12, attention="chunked", **kw).tokens
         calls.clear()
         with pallas_interpret():
