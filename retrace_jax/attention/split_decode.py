@@ -1,16 +1,16 @@
 """The flash-decoding kernel behind ``implementation="split_gpu"``: Pallas on GPUs (Triton), reading one layer
 of the stacked KV cache ``[L, B, K, S, D]`` in place.
 
-One program per (row ``b``, KV head ``k``, block of ``M`` queries, split ``j``) takes the ``T * G`` queries of
-its KV head (``M`` rows: query ``t`` and head ``g`` at row ``t * G + g``, padded to the block) and walks its
-share of the row's filled slots in blocks of ``block_k``: the slots up to the largest limit of its queries are
-cut into :attr:`SplitPlan.splits` equal runs of whole blocks, so the work follows the text, not ``S``, and a
-short text still spreads over as many programs as it has blocks (up to the splits). Each query masks the
-slots ``s >= limit[b, t]`` (a verify pass's causal block needs no second walk). Keys and values are loaded at a dynamic offset of the whole cache
-(layer, row, head, slot): no copy of the layer is made, whether ``layer`` is static (unrolled layers) or
-traced (a scan). Each program writes its float32 softmax partials (max, sum, weighted values);
-:func:`split_cached` merges the splits and folds in the extra keys with the chunked walk's online softmax
-(:func:`~retrace_jax.attention.chunked.extra_update`).
+One program per (row ``b``, KV head ``k``, block of ``M`` queries, split ``j``) takes the ``T * G`` queries
+of its KV head (``M`` rows: query ``t`` and head ``g`` at row ``t * G + g``, padded to the block) and walks
+its share of the row's filled slots in blocks of ``block_k``: the slots up to the largest limit of its
+queries are cut into :attr:`SplitPlan.splits` equal runs of whole blocks, so the work follows the text, not
+``S``, and a short text still spreads over as many programs as it has blocks (up to the splits). Each query
+masks the slots ``s >= limit[b, t]`` (a verify pass's causal block needs no second walk). Keys and values
+are loaded at a dynamic offset of the whole cache (layer, row, head, slot): no copy of the layer is made,
+whether ``layer`` is static (unrolled layers) or traced (a scan). Each program writes its float32 softmax
+partials (max, sum, weighted values); :func:`split_cached` merges the splits and folds in the extra keys
+with the chunked walk's online softmax (:func:`~retrace_jax.attention.chunked.extra_update`).
 
 This module imports Pallas, so :mod:`retrace_jax.attention` imports it at the first call that asks for it
 (a JAX without Pallas fails there, with a clear error). Shape letters: :mod:`retrace_jax.attention` (``M``:
