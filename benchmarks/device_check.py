@@ -6,8 +6,11 @@ the weights, the unrolled loop over a second, per-layer copy) under XLA's defaul
 sets of ``VARIANT_OPTIONS``, each with the weight-sized instructions its decode step runs
 (``weight_copies``: a layer's weights copied per step) and the bytes it keeps beside the target; and the
 projection products joined (q/k/v, gate/up: one product each, the layout of the parameters) against
-separate. Run through ``scripts/device_check.sh``, which writes ``device_check.json`` and
-``device_check.md``.
+separate; and the attention rows: decode attention alone over a stacked cache of the presets' shape at 1K,
+8K and 32K contexts (decode at batch 1 and 8, a 16-query verify pass at batch 1) and whole plain decode
+steps at 8K and 32K, through ``"dense"`` (what ``"auto"`` runs on a GPU) and the decode kernels
+(``"pallas_gpu"``, ``"split_gpu"``). Run through ``scripts/device_check.sh``, which writes
+``device_check.json`` and ``device_check.md``.
 
     python benchmarks/device_check.py --out-dir results/        # on a GPU or TPU (bf16)
     python benchmarks/device_check.py --smoke --out-dir /tmp/x   # any machine: tiny shapes, a few minutes
@@ -124,8 +127,13 @@ def plain_step_ms(tdef, tstate, batch, context, steps, attention="auto", layer_l
 
 # XLA option sets compared side by side in variant_rows (as ``benchmarks/step_profile.py --options`` takes
 # them): a GPU's cuBLAS products reading a (dynamic-)slice of a stacked weight in place instead of a copy of
-# it, and CUDA graphs off (one launch per kernel) against XLA's default.
-VARIANT_OPTIONS = {"gpu": ("xla_gpu_enable_dynamic_slice_fusion=true", "xla_gpu_enable_command_buffer=")}
+# it; CUDA graphs off (one launch per kernel), and CUDA graphs that also take while loops and conditionals
+# (with the library calls), against XLA's default; XLA's dot merger off (it concatenates products that
+# share an operand, e.g. gate and up weights, at every step); the products through cuBLAS instead of
+# Triton.
+VARIANT_OPTIONS = {"gpu": ("xla_gpu_enable_dynamic_slice_fusion=true", "xla_gpu_enable_command_buffer=",
+                           "xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE",
+                           "xla_gpu_dot_merger_threshold_mb=0", "xla_gpu_enable_triton_gemm=false")}
 LOOP_VARIANTS = (("scan", "scan", False), ("unrolled, one copy", "unrolled", False),
                  ("unrolled, per-layer copies", "unrolled", True))
 
@@ -308,13 +316,14 @@ def failure(e: Exception) -> str:
 
 def kernels(kind: str = "prefill") -> tuple[str, ...]:
     """The attention implementations to time here, the chunked JAX path first. Prefill: cuDNN's flash
-    attention on NVIDIA GPUs, Pallas splash attention on TPUs. Decode: the Pallas GPU decode kernel on
-    GPUs."""
-    if interpreting():  # --pallas-interpret: both Pallas kernels, interpreted, anywhere
-        return ("chunked", {"prefill": "pallas_tpu", "decode": "pallas_gpu"}[kind])
-    kernel = {("prefill", "gpu"): "cudnn", ("prefill", "tpu"): "pallas_tpu",
-              ("decode", "gpu"): "pallas_gpu"}.get((kind, jax.default_backend()))
-    return ("chunked",) if kernel is None else ("chunked", kernel)
+    attention on NVIDIA GPUs, Pallas splash attention on TPUs. Decode: the Pallas GPU decode kernels on
+    GPUs (JAX's, ``"pallas_gpu"``, and this library's in-place flash-decoding kernel, ``"split_gpu"``)."""
+    decode = ("pallas_gpu", "split_gpu")
+    if interpreting():  # --pallas-interpret: the Pallas kernels, interpreted, anywhere
+        return ("chunked",) + {"prefill": ("pallas_tpu",), "decode": decode}[kind]
+    chosen = {("prefill", "gpu"): ("cudnn",), ("prefill", "tpu"): ("pallas_tpu",),
+              ("decode", "gpu"): decode}.get((kind, jax.default_backend()), ())
+    return ("chunked",) + chosen
 
 
 def decode_alternatives() -> tuple[str, ...]:
@@ -322,6 +331,79 @@ def decode_alternatives() -> tuple[str, ...]:
     the decode kernels."""
     walk = ("chunked",) if auto_cached(1, 1, 1, 1) != "chunked" else ()
     return walk + kernels("decode")[1:]
+
+
+def attention_implementations() -> tuple[str, ...]:
+    """The implementations of the attention rows: dense (``"auto"``'s decode path on a GPU) and the decode
+    kernels; the chunked walk besides, where no kernel runs (a CPU without ``--pallas-interpret``)."""
+    alternatives = kernels("decode")[1:]
+    return ("dense",) + (alternatives or ("chunked",))
+
+
+def attention_rows(name, cfg, contexts, steps, dtype, gbs, budget_left):
+    """Decode attention alone at each context of ``contexts`` (the text's length; the cache holds a few
+    more slots, a multiple of 64): one jitted call that runs ``cached_attention`` for every layer of a
+    stacked ``[L, B, K, S, D]`` cache of ``cfg``'s shape in a ``lax.scan`` (the layer index traced, as the
+    scanned layer loop passes it), for decode (1 query per row, batch 1 and 8) and a verify pass (16
+    queries with causal limits, batch 1), per implementation of :func:`attention_implementations`:
+    milliseconds per call (the attention share of a step), the filled cache's bytes read per second and
+    the time against dense. ``budget_left()``: seconds left; what does not fit is skipped."""
+    rows = []
+    layers, kv, d, h = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.num_heads
+    for context in contexts:
+        slots = -(-(context + 64) // 64) * 64
+        for what, batch, t in (("decode attention", 1, 1), ("decode attention", 8, 1), ("verify attention", 1, 16)):
+            base = {"model": f"{name} attention", "what": what, "batch": batch, "context": context}
+            if budget_left() < 0:
+                rows.append({**base, "skipped": "time"})
+                continue
+            keys = jnp.full((layers, batch, kv, slots, d), 0.01, dtype)  # the values do not change the time
+            q = jnp.full((batch, t, h, d), 0.01, dtype)
+            limit = jnp.broadcast_to(context - t + 1 + jnp.arange(t, dtype=jnp.int32), (batch, t))
+            read_gb = 2 * layers * batch * kv * context * d * jnp.dtype(dtype).itemsize / 1e9
+            dense_ms = None
+            for attention in attention_implementations():
+                def all_layers(q, k, v, lim, attention=attention):
+                    def one(x, layer):
+                        return x + cached_attention(q, k, v, layer, lim, implementation=attention), None
+                    return jax.lax.scan(one, jnp.zeros(q.shape, q.dtype), jnp.arange(layers))[0]
+
+                args = (q, keys, keys, limit)
+                fn = jax.jit(all_layers)
+                try:
+                    c = compile_s(lambda fn=fn, args=args: fn(*args))
+                    ms = median_ms_from(lambda _, fn=fn, args=args: fn(*args), (), steps)
+                except Exception as e:  # noqa: BLE001  (a kernel that fails here is a result to report)
+                    rows.append({**base, "attention": attention, "error": failure(e)})
+                    continue
+                dense_ms = ms if attention == "dense" else dense_ms
+                rows.append({**base, "attention": attention, "layers": layers, "ms": round(ms, 3),
+                             "cache_gb_s": round(read_gb / (ms / 1e3), 1),
+                             "of_bandwidth": None if gbs is None else round(read_gb / (ms / 1e3) / gbs, 2),
+                             "vs_dense": None if dense_ms is None else round(ms / dense_ms, 2),
+                             "compile_s": round(c, 1)})
+    return rows
+
+
+def model_step_rows(name, target, contexts, steps, budget_left):
+    """A whole plain decode step (batch 1) per implementation of :func:`attention_implementations` at each
+    context of ``contexts`` (:func:`decode_rows` times the first attention context already)."""
+    rows = []
+    tdef, tstate = nnx.split(target)
+    for context in contexts:
+        for attention in attention_implementations():
+            base = {"model": name, "what": f"plain decode step ({attention})", "batch": 1, "context": context}
+            if budget_left() < 0:
+                rows.append({**base, "skipped": "time"})
+                continue
+            try:
+                ms, compile_time = plain_step_ms(tdef, tstate, 1, context, steps, attention)
+            except Exception as e:  # noqa: BLE001  (a kernel that fails here is a result to report)
+                rows.append({**base, "error": failure(e)})
+                continue
+            rows.append({**base, "ms": round(ms, 3), "tokens_per_s": round(1e3 / ms, 1),
+                         "compile_s": round(compile_time, 1)})
+    return rows
 
 
 def generate_rows(name, target, drafter, context, new_tokens, repeats):
@@ -354,7 +436,8 @@ def lossless_rows(name, cfg, block_size, new_tokens):
     matmul precision, in float32 at ``"highest"`` (through ``"auto"`` only), and in bfloat16. Only full
     float32 products must agree on every path: a GPU's default float32 matmul is TF32, and it, like
     bfloat16, rounds a verify pass of ``block_size`` rows and one-row steps differently, which decides
-    near-ties of the logits apart."""
+    near-ties of the logits apart. At ``"highest"``, ``"split_gpu"`` too where its kernel runs (a GPU, or
+    ``--pallas-interpret``)."""
     cfg = dataclasses.replace(cfg, num_layers=4)
     prompt = [[(7 * i) % 1000 + 1 for i in range(64)], [(11 * i) % 997 + 3 for i in range(40)]]
     rows = []
@@ -362,15 +445,24 @@ def lossless_rows(name, cfg, block_size, new_tokens):
         target = tiny_target(cfg=cfg, dtype=dtype)
         drafter = rj.init_drafter(cfg, mask_token_id=cfg.vocab_size - 1, num_layers=1, block_size=block_size,
                                   dtype=dtype)
-        for attention in ("auto",) if precision else ("auto", "chunked"):  # "highest": the default path
-            with jax.default_matmul_precision(precision):
-                plain = rj.generate(target, prompt, new_tokens, attention=attention).tokens
-                spec = rj.generate(target, prompt, new_tokens, drafter=drafter, attention=attention).tokens
+        # "highest": the default path, and the in-place decode kernel where it runs (its float32 products
+        # are full there)
+        split = ("split_gpu",) if "split_gpu" in kernels("decode") else ()
+        for attention in ("auto",) + split if precision else ("auto", "chunked"):
+            base = {"model": f"{name}, 4 layers", "what": f"lossless ({attention})", "dtype": jnp.dtype(dtype).name,
+                    "precision": precision or "default", "batch": 2}
+            try:
+                with jax.default_matmul_precision(precision):
+                    plain = rj.generate(target, prompt, new_tokens, attention=attention).tokens
+                    spec = rj.generate(target, prompt, new_tokens, drafter=drafter, attention=attention).tokens
+            except Exception as e:  # noqa: BLE001  (a kernel that fails here is a result to report)
+                if attention in ("auto", "chunked"):
+                    raise
+                rows.append({**base, "error": failure(e)})
+                continue
             pairs = zip(plain[0] + plain[1], spec[0] + spec[1])
             first = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
-            rows.append({"model": f"{name}, 4 layers", "what": f"lossless ({attention})",
-                         "dtype": jnp.dtype(dtype).name, "precision": precision or "default", "batch": 2,
-                         "same_tokens": plain == spec, "first_difference": first})
+            rows.append({**base, "same_tokens": plain == spec, "first_difference": first})
     return rows
 
 
@@ -459,6 +551,13 @@ def main():
     p.add_argument("--skip-variants", action="store_true", help="leave out the layer-loop, XLA-option and "
                    "projection variants (variant_rows; they run last, in the time left)")
     p.add_argument("--only-variants", action="store_true", help="only the variants, for every preset")
+    p.add_argument("--skip-attention", action="store_true", help="leave out the attention rows (attention_rows; "
+                   "they run after the variants, in the time left)")
+    p.add_argument("--only-attention", action="store_true", help="only the attention rows: decode attention "
+                   "alone per implementation at each attention context, then a plain decode step per "
+                   "implementation at the longer contexts, for every preset")
+    p.add_argument("--attention-contexts", default=None, help="contexts of the attention rows (default "
+                   "1024,8192,32768; smoke: 64,256)")
     p.add_argument("--generate-contexts", default=None, help="prompt lengths of the rj.generate rows (default "
                    "1024,8192; smoke: 64,256)")
     args = p.parse_args()
@@ -476,6 +575,9 @@ def main():
     if args.generate_contexts is not None:
         generate_contexts = tuple(int(x) for x in args.generate_contexts.split(","))
     lengths = lengths if args.prefill_lengths is None else tuple(int(x) for x in args.prefill_lengths.split(","))
+    attention_contexts = (context, 256) if args.smoke else (context, 8192, 32768)
+    if args.attention_contexts is not None:
+        attention_contexts = tuple(int(x) for x in args.attention_contexts.split(","))
     gbs = bandwidth(device)
     rows, skipped = [], []
 
@@ -501,8 +603,28 @@ def main():
             del target
             write()
 
-    if args.only_variants:
-        variants()
+    def attention():  # after the variants (or alone, --only-attention), in the time left
+        def left():
+            return args.budget_s - (time.perf_counter() - start)
+
+        timed = set()  # Qwen3-4B and 8B share their attention shape: its rows once
+        for name in presets:
+            cfg = PRESETS[name][0]
+            shape = (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            if shape not in timed:
+                timed.add(shape)
+                rows.extend(attention_rows(name, cfg, attention_contexts, steps, dtype, gbs, left))
+                write()
+            target = tiny_target(cfg=cfg, dtype=dtype)
+            rows.extend(model_step_rows(name, target, attention_contexts[1:], steps, left))
+            del target
+            write()
+
+    if args.only_variants or args.only_attention:
+        if args.only_variants:
+            variants()
+        if args.only_attention:
+            attention()
         print(write(final=True))
         return
     if not args.lossless_only:
@@ -537,6 +659,8 @@ def main():
         write()
     if not (args.lossless_only or args.skip_variants):
         variants()
+    if not (args.lossless_only or args.skip_attention):
+        attention()
     print(write(final=True))
 
 

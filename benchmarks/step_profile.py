@@ -61,15 +61,20 @@ def kernel_summary(events: list[dict], steps: int, top: int = 30) -> dict:
 
 def parse_options(text: str) -> dict:
     """``"xla_gpu_enable_triton_gemm=false,xla_gpu_dot_merger_threshold_mb=0"`` as XLA compiler options
-    for ``jax.jit(compiler_options=...)``: true/false as booleans, integers as integers."""
-    options = {}
+    for ``jax.jit(compiler_options=...)``: true/false as booleans, integers as integers. An item without
+    ``=`` after an option continues its value, a list as XLA takes it
+    (``xla_gpu_enable_command_buffer=FUSION,CUBLAS,WHILE``)."""
+    options, key = {}, None
     for item in filter(None, text.split(",")):
-        key, sep, value = item.partition("=")
+        name, sep, value = item.partition("=")
         if not sep:
-            raise ValueError(f"compiler option {item!r} is not key=value")
-        lowered = value.strip().lower()
-        options[key.strip()] = (lowered == "true" if lowered in ("true", "false")
-                                else int(value) if value.strip().lstrip("-").isdigit() else value.strip())
+            if key is None or not isinstance(options[key], str) or not options[key]:
+                raise ValueError(f"compiler option {item!r} is not key=value")
+            options[key] += "," + item.strip()
+            continue
+        key, lowered = name.strip(), value.strip().lower()
+        options[key] = (lowered == "true" if lowered in ("true", "false")
+                        else int(value) if value.strip().lstrip("-").isdigit() else value.strip())
     return options
 
 

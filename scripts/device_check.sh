@@ -5,6 +5,8 @@
 #   bash scripts/device_check.sh --smoke    # anywhere: tiny shapes (a few minutes on a CPU)
 #   bash scripts/device_check.sh --only-variants   # issue 57's rows alone: layer loops x XLA option sets
 #                                                  # (with weight copies per step), projections joined or not
+#   bash scripts/device_check.sh --only-attention  # decode attention alone at 1K, 8K and 32K per implementation
+#                                                  # (dense, pallas_gpu, split_gpu), plain steps at 8K and 32K
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-device_check}"

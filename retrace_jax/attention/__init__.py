@@ -13,6 +13,8 @@ Shape letters used across the library:
     P  padded prompt length            F  concatenated target features (number of layers * d)
     N  rows of a flattened batch       O  output capacity (new tokens a row can hold)
     Q  prompts queued for a stream     Y  prompts a stream's call harvests (``decoding/stream.py``)
+    M  query rows of one KV head in a decode kernel (M = T * G)
+    X  splits of a row's filled slots in the flash-decoding kernel (``split_decode.py``)
 
 Capital ``D`` is a head's width and lowercase ``d`` the model's (``x_btd``, ``q_bthd``). Every other
 letter has one meaning; a new shape letter joins this table before it is used.
@@ -27,9 +29,9 @@ Two implementations share one meaning:
   sees). The chunked walk (``chunked.py``) visits the cache in chunks of ``C`` slots only up to the
   batch's largest limit, with an online softmax (flash-decoding), so decode, verify and draft cost grows
   with the filled length, not with ``S`` (a long cache's last, partly filled chunk is walked in chunks
-  of ``SMALL_CHUNK``, so a short text costs what it costs in a short cache); long query sequences (prefill) are split into chunks of
-  queries as well, each walking only the chunks it can see, so memory grows with the chunk sizes, not
-  with the prompt squared.
+  of ``SMALL_CHUNK``, so a short text costs what it costs in a short cache); long query sequences
+  (prefill) are split into chunks of queries as well, each walking only the chunks it can see, so memory
+  grows with the chunk sizes, not with the prompt squared.
 
 ``implementation`` chooses the backend (the device kernels are in ``kernels.py``):
 
@@ -46,6 +48,16 @@ Two implementations share one meaning:
   kernel's blocks and head dims that are not a power of two from 16 stay chunked
   (:func:`~retrace_jax.attention.kernels.decode_kernel_plan`). The kernel reads a contiguous
   ``[B, S, K, D]`` layer, so each call copies its layer of the cache before the kernel walks it.
+- ``"split_gpu"``: decode, verify and draft calls (at most :data:`PALLAS_GPU_MAX_T` queries per row)
+  through this library's own flash-decoding kernel (``split_decode.py``, Pallas on GPUs), which reads the
+  layer's keys and values in place in the stacked cache (no copy of the layer, the layer index static or
+  traced). A program per (row, KV head, block of the ``T * G`` queries, split) walks its share of the
+  row's filled slots, cut into :attr:`~retrace_jax.attention.split_decode.SplitPlan.splits` runs so that
+  the work follows the text, not ``S``, and parallel work stays high at batch 1; each query masks its own
+  limit in the kernel (a verify block's own keys need no second walk). A small JAX step merges the splits'
+  float32 softmax partials and folds in the extra keys (the chunked walk's online softmax, no loop).
+  Prefill, windowed calls and row views, slot counts that no block of 16 or more divides and head dims
+  that are not a power of two from 16 stay chunked. Not yet measured on a GPU: opt-in.
 - ``"pallas_tpu"``: the prefill of an empty cache through JAX's Pallas TPU splash attention
   (``jax.experimental.pallas.ops.tpu.splash_attention``, causal mask, one kernel per KV head); every
   other call stays chunked. JAX's TPU ragged paged attention kernel is not used because it does not run
@@ -61,8 +73,9 @@ Two implementations share one meaning:
   checked and timed it on the device.
 
 The Pallas kernels run on their device, or anywhere in interpret mode inside :func:`pallas_interpret`.
-The score and softmax arithmetic is float32 whatever the cache dtype (the Pallas GPU kernel's matmuls use
-the device's default precision).
+The score and softmax arithmetic is float32 whatever the cache dtype (the matmuls of JAX's Pallas GPU
+kernel use the device's default precision, TF32 for float32 on NVIDIA GPUs; ``"split_gpu"``'s are full
+float32 products under ``jax.default_matmul_precision("highest")``).
 """
 
 from __future__ import annotations
@@ -77,9 +90,9 @@ from retrace_jax.attention.chunked import walk_cache
 from retrace_jax.attention.kernels import pallas_interpret
 from retrace_jax.attention.reference import attention_beside_context, dense_cached, reference_attention
 
-IMPLEMENTATIONS = ("auto", "chunked", "dense", "cudnn", "pallas_gpu", "pallas_tpu")
+IMPLEMENTATIONS = ("auto", "chunked", "dense", "cudnn", "pallas_gpu", "split_gpu", "pallas_tpu")
 FRESH_KERNELS = ("cudnn", "pallas_tpu")  # implementations with their own empty-cache prefill (fresh_attention)
-PALLAS_GPU_MAX_T = 64  # queries per row up to which "pallas_gpu" uses the decode kernel (decode, verify, draft)
+PALLAS_GPU_MAX_T = 64  # queries per row up to which "pallas_gpu" and "split_gpu" use their decode kernels
 KV_CHUNK = 512  # cache slots per chunk; caches longer than this are allocated in multiples of it
 SMALL_CHUNK = 128  # ... and caches of up to KV_CHUNK slots in multiples of this, walked in chunks of it
 Q_CHUNK = 512  # queries per chunk (prefill)
@@ -156,10 +169,10 @@ def cached_attention(q_bthd, k_lbksd, v_lbksd, layer, limit_bt, extra_k_bekd=Non
     a sliding window's first visible slot) and the ``E`` extra keys (when given: all of them, or those
     where ``extra_valid_be`` ``[B, E]`` holds). ``layer`` may be traced
     (a scan over layers). Returns ``[B, T, H, D]`` in the query dtype. A windowed call (``start``) is
-    walked by the chunked path, whatever the implementation: the Pallas GPU kernel's split assumes that
-    every query sees the slots from 0. ``first_row`` (traced, or None): the queries' ``B`` rows are the
-    cache's rows ``first_row .. first_row + B - 1`` (a row view, as a refilled slot's prefill reads one row
-    of a batch's cache); such a call is walked by the chunked path or dense, never the Pallas GPU kernel."""
+    walked by the chunked path, whatever the implementation: the Pallas GPU kernels assume that every
+    query sees the slots from 0. ``first_row`` (traced, or None): the queries' ``B`` rows are the cache's
+    rows ``first_row .. first_row + B - 1`` (a row view, as a refilled slot's prefill reads one row of a
+    batch's cache); such a call is walked by the chunked path or dense, never a Pallas GPU kernel."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if implementation in ("auto", "cudnn"):  # "cudnn" has a kernel for fresh prefills only: the rest as "auto"
@@ -167,7 +180,7 @@ def cached_attention(q_bthd, k_lbksd, v_lbksd, layer, limit_bt, extra_k_bekd=Non
     if implementation == "dense":  # "pallas_tpu" has a kernel for fresh prefills only: here chunked
         return dense_cached(q_bthd, k_lbksd, v_lbksd, layer, limit_bt, extra_k_bekd, extra_v_bekd, start_bt,
                             extra_valid_be, first_row)
-    if implementation in ("pallas_gpu", "pallas_tpu"):
+    if implementation in ("pallas_gpu", "split_gpu", "pallas_tpu"):
         kernels.check_pallas_backend(implementation)
     b, t, h, d = q_bthd.shape
     kv_heads, s = k_lbksd.shape[2:4]
@@ -178,10 +191,15 @@ def cached_attention(q_bthd, k_lbksd, v_lbksd, layer, limit_bt, extra_k_bekd=Non
     tail = small if chunk % small == 0 else chunk  # a short filled tail in small chunks (see walk_cache)
     walk = functools.partial(walk_cache, k_lbksd=k_lbksd, v_lbksd=v_lbksd, layer=layer, chunk=chunk, extra=extra,
                              extra_valid=extra_valid_be, tail_chunk=tail, first_row=first_row)
-    use_kernel = implementation == "pallas_gpu" and t <= PALLAS_GPU_MAX_T and start_bt is None and first_row is None
-    plan = kernels.decode_kernel_plan(s, d) if use_kernel else None
+    use_kernel = t <= PALLAS_GPU_MAX_T and start_bt is None and first_row is None
+    plan = kernels.decode_kernel_plan(s, d) if use_kernel and implementation == "pallas_gpu" else None
     if plan is not None:
         return kernels.decode_kernel_cached(q, limit_bt, k_lbksd, v_lbksd, layer, plan, walk).astype(q_bthd.dtype)
+    split = kernels.pallas_op("split_gpu") if use_kernel and implementation == "split_gpu" else None
+    plan = None if split is None else split.split_plan(b, kv_heads, t * (h // kv_heads), s, d)
+    if plan is not None:
+        return split.split_cached(q, limit_bt, k_lbksd, v_lbksd, layer, plan, extra,
+                                  extra_valid_be).astype(q_bthd.dtype)
     start = jnp.zeros_like(limit_bt) if start_bt is None else jnp.broadcast_to(start_bt, limit_bt.shape)
     walk_from = (lambda q_, limit_, start_: walk(q_, limit_)) if start_bt is None else (
         lambda q_, limit_, start_: walk(q_, limit_, lo_b=start_))

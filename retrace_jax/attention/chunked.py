@@ -34,12 +34,7 @@ def walk_cache(q_btkgd, limit_bt, *, k_lbksd, v_lbksd, layer, chunk, extra, extr
         state = (jnp.full((b, kv, g, t), NEG, jnp.float32), jnp.zeros((b, kv, g, t), jnp.float32),
                  jnp.zeros((b, kv, g, t, d), jnp.float32))
     if extra is not None:
-        k_e, v_e = extra
-        scores = jnp.einsum("bkgtd,bekd->bkgte", q_bkgtd, k_e.astype(q_btkgd.dtype),
-                            preferred_element_type=jnp.float32) * d**-0.5
-        visible = jnp.ones((b, t, k_e.shape[1]), bool) if extra_valid is None else jnp.broadcast_to(
-            extra_valid[:, None, :], (b, t, k_e.shape[1]))
-        state = online_update(state, scores, visible, v_e.swapaxes(1, 2))
+        state = extra_update(state, q_bkgtd, extra, extra_valid)
 
     def one_chunk(size, j, state):
         start = j * size
@@ -86,16 +81,36 @@ def walk_cache(q_btkgd, limit_bt, *, k_lbksd, v_lbksd, layer, chunk, extra, extr
                                 lambda s: one_chunk(tail, first_small + i - n, s), state)
 
         state = jax.lax.fori_loop(0, n + last_small - first_small, one, state)
+    return finish(state)
+
+
+def extra_update(state, q_bkgtd, extra, extra_valid=None):
+    """Folds the ``E`` extra keys and values ``extra = (k [B, E, K, D], v [B, E, K, D])`` into the online
+    softmax ``state``: every query sees every extra key, or those where ``extra_valid`` (``[B, E]``) holds."""
+    b, _, _, t, d = q_bkgtd.shape
+    k_e, v_e = extra
+    scores = jnp.einsum("bkgtd,bekd->bkgte", q_bkgtd, k_e.astype(q_bkgtd.dtype),
+                        preferred_element_type=jnp.float32) * d**-0.5
+    visible = jnp.ones((b, t, k_e.shape[1]), bool) if extra_valid is None else jnp.broadcast_to(
+        extra_valid[:, None, :], (b, t, k_e.shape[1]))
+    return online_update(state, scores, visible, v_e.swapaxes(1, 2))
+
+
+def finish(state):
+    """The attention output ``[B, T, H, D]`` (float32) of a finished online softmax ``state`` (``[B, K, G,
+    T]`` and ``[B, K, G, T, D]``); a query that saw no key gets zeros."""
     _, l, acc = state
+    b, kv, g, t, d = acc.shape
     out = acc / jnp.maximum(l, 1e-30)[..., None]  # [B, K, G, T, D]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, kv * g, d)
 
 
 def cache_chunk(buf_lbksd, layer, start, chunk: int, first_row=None, rows: int | None = None):
     """Slots ``start .. start + C - 1`` of layer ``layer``, ``[B, K, C, D]``, read from the stacked cache
-    in one slice (of ``rows`` rows from ``first_row``, when given: a row view's). Taking the layer first and then the chunk would give XLA a slice that does not depend
-    on the chunk, which it hoists out of the walk: a copy of the whole layer at every call. The cache is
-    head-major, so the chunk is already laid out as both products take it (no transpose per chunk)."""
+    in one slice (of ``rows`` rows from ``first_row``, when given: a row view's). Taking the layer first
+    and then the chunk would give XLA a slice that does not depend on the chunk, which it hoists out of the
+    walk: a copy of the whole layer at every call. The cache is head-major, so the chunk is already laid
+    out as both products take it (no transpose per chunk)."""
     _, b, kv, _, d = buf_lbksd.shape
     zero = jnp.zeros((), jnp.int32)
     row = zero if first_row is None else jnp.asarray(first_row, jnp.int32)
@@ -106,14 +121,22 @@ def cache_chunk(buf_lbksd, layer, start, chunk: int, first_row=None, rows: int |
 def online_update(state, scores_bkgtc, visible_btc, v_bkcd):
     """One step of the online softmax: folds the visible scores of one chunk of keys and their values
     into ``state = (running max, running sum, weighted values)``."""
+    return softmax_step(state, scores_bkgtc, visible_btc[:, None, None], lambda p: jnp.einsum(
+        "bkgtc,bkcd->bkgtd", p.astype(v_bkcd.dtype), v_bkcd, preferred_element_type=jnp.float32))
+
+
+def softmax_step(state, scores, visible, weighted_values):
+    """:func:`online_update` for any layout (also inside a Pallas kernel): ``scores`` ``[..., C]`` of one
+    block of keys, ``visible`` broadcast to them, ``weighted_values(p)`` the product of the probabilities
+    ``p`` ``[..., C]`` with the block's values, in float32 (``[..., D]``); ``state``'s max and sum are
+    ``[...]``, its weighted values ``[..., D]``."""
     m, l, acc = state
     # Hidden scores are -inf and the running max is at least the finite NEG, so exp(score - max) is
     # exactly 0 for them (no second mask) and nothing is ever -inf - -inf (NaN), also in a chunk or a
     # row where every slot is hidden.
-    scores = jnp.where(visible_btc[:, None, None], scores_bkgtc, -jnp.inf)
+    scores = jnp.where(visible, scores, -jnp.inf)
     m_new = jnp.maximum(jnp.maximum(m, jnp.max(scores, axis=-1)), NEG)
     p = jnp.exp(scores - m_new[..., None])
     scale = jnp.exp(m - m_new)
     l = l * scale + jnp.sum(p, axis=-1)
-    pv = jnp.einsum("bkgtc,bkcd->bkgtd", p.astype(v_bkcd.dtype), v_bkcd, preferred_element_type=jnp.float32)
-    return m_new, l, acc * scale[..., None] + pv
+    return m_new, l, acc * scale[..., None] + weighted_values(p)

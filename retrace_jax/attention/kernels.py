@@ -1,4 +1,5 @@
-"""The device kernels behind ``implementation="pallas_gpu"``, ``"pallas_tpu"`` and ``"cudnn"``.
+"""The device kernels behind ``implementation="pallas_gpu"``, ``"pallas_tpu"`` and ``"cudnn"`` (and the
+helpers of ``"split_gpu"``, whose kernel is in ``split_decode.py``).
 
 The Pallas kernels are imported when first used, so a JAX without them fails with a clear error at that
 call, never at ``import retrace_jax``. They run on their device only, unless :func:`pallas_interpret` is
@@ -35,7 +36,7 @@ def interpreting() -> bool:
     return _INTERPRET.get()
 
 
-_PALLAS_BACKENDS = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}
+_PALLAS_BACKENDS = {"pallas_gpu": "gpu", "split_gpu": "gpu", "pallas_tpu": "tpu"}
 
 
 def check_pallas_backend(implementation: str) -> None:
@@ -50,12 +51,15 @@ def check_pallas_backend(implementation: str) -> None:
 
 def pallas_op(module: str):
     """Imports ``jax.experimental.pallas.ops.<module>`` when a kernel is first used, with a clear error
-    where this JAX does not ship it."""
-    name = f"jax.experimental.pallas.ops.{module}"
+    where this JAX does not ship it; ``"split_gpu"``: this library's own kernel
+    (:mod:`retrace_jax.attention.split_decode`, which imports Pallas)."""
+    own = module == "split_gpu"
+    name = "retrace_jax.attention.split_decode" if own else f"jax.experimental.pallas.ops.{module}"
+    needs = "jax.experimental.pallas and its Triton module" if own else name
     try:
         return importlib.import_module(name)
     except ImportError as e:
-        raise RuntimeError(f"this attention implementation needs {name}, which JAX {jax.__version__} does not "
+        raise RuntimeError(f"this attention implementation needs {needs}, which JAX {jax.__version__} does not "
                            f"provide ({e}); use attention='auto' or 'chunked'") from e
 
 

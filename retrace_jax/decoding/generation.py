@@ -122,7 +122,7 @@ def generate(
 
     ``cache_dtype`` ("float32" or "bfloat16"; default: the target's dtype) stores both KV caches in that
     type. ``attention`` chooses the attention implementation ("auto", "chunked", "dense", "cudnn",
-    "pallas_gpu" or "pallas_tpu"; see ``retrace_jax/attention/``): the default walks the caches only up to
+    "pallas_gpu", "split_gpu" or "pallas_tpu"; see ``retrace_jax/attention/``): the default walks the caches only up to
     the filled length, except on a GPU, where decode, verify and draft calls run dense (no loop or
     branch, each of which costs a host round trip there) and a bfloat16 prefill runs through cuDNN.
     ``layer_loop`` runs the target's layers with one ``lax.scan`` ("scan": compile time independent of

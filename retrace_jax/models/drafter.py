@@ -24,7 +24,7 @@ from retrace_jax.errors import ConfigError
 from retrace_jax.models.config import DecoderShape, HFKeys, ModelConfig, ShapeKeys
 from retrace_jax.models.draft_vocab import DraftVocab, check_ids
 from retrace_jax.models.kv_cache import KVCache
-from retrace_jax.models.layers import BlockSpec, DecoderBlock, RMSNorm, linear
+from retrace_jax.models.layers import BlockSpec, DecoderBlock, RMSNorm, linear, rotary
 from retrace_jax.models.retrace import Memory, ReTraceConfig, ReTraceFusion
 from retrace_jax.validation import Bool, Int, NonNegativeInt, PositiveInt, config_dataclass, validated
 
@@ -244,7 +244,8 @@ class DFlashDrafter(nnx.Module):
     def context_kv(self, features_btf, positions_bt):
         """Per-layer ``(k, v)`` of the fused target features ``[B, T, n*d]`` at their positions."""
         ctx = self.hidden_norm(self.fc(features_btf.astype(self.dtype)))
-        return [layer.self_attn.keys_values(ctx, positions_bt) for layer in self.layers]
+        tables = rotary(positions_bt, self.cfg.head_dim, self.cfg.rope_theta)  # once, for every layer
+        return [layer.self_attn.keys_values(ctx, tables) for layer in self.layers]
 
     def extend_cache(self, features_btf, cache: KVCache) -> KVCache:
         """Appends the context keys/values of ``T`` positions at each row's length (lengths += T)."""
@@ -260,12 +261,13 @@ class DFlashDrafter(nnx.Module):
 
         ``remat`` recomputes each layer's activations in the backward pass instead of storing them."""
         h = emb_btd.astype(self.dtype)
+        tables = rotary(positions_bt, self.cfg.head_dim, self.cfg.rope_theta)  # once, for every layer
         for i, layer in enumerate(self.layers):
             attend = attend_at(i)
             if remat:
-                h = nnx.remat(lambda lyr, h: lyr(h, positions_bt, attend)[0])(layer, h)
+                h = nnx.remat(lambda lyr, h: lyr(h, tables, attend)[0])(layer, h)
             else:
-                h = layer(h, positions_bt, attend)[0]
+                h = layer(h, tables, attend)[0]
         return self.norm(h)
 
     def forward(self, emb_btd, positions_bt, ctx_kv, mask_bt_st, remat: bool = False, memory_kv=None,

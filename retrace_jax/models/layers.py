@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -165,13 +165,29 @@ class MLP(nnx.Module):
         return self.down_proj(self.activations(x))
 
 
-def rope(x_bthd, positions_bt, theta: float):
-    """Rotary embedding (the "rotate half" layout of transformers) at absolute positions."""
-    head_dim = x_bthd.shape[-1]
+class Rotary(NamedTuple):
+    """RoPE's tables at a call's positions, ``[B, T, 1, D]`` each, float32: made once per forward pass
+    (:func:`rotary`) and passed to every layer in place of the positions, so that a step computes its
+    cosines and sines once, not once per layer (a scan over layers would compute them in every
+    iteration)."""
+
+    cos: jax.Array
+    sin: jax.Array
+
+
+def rotary(positions_bt, head_dim: int, theta: float) -> Rotary:
+    """The RoPE tables (:class:`Rotary`) at absolute positions ``[B, T]``."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     freqs = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     angles = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, D]
-    cos, sin = jnp.cos(angles).astype(x_bthd.dtype), jnp.sin(angles).astype(x_bthd.dtype)
+    return Rotary(jnp.cos(angles), jnp.sin(angles))
+
+
+def rope(x_bthd, positions_bt, theta: float):
+    """Rotary embedding (the "rotate half" layout of transformers) at absolute positions ``[B, T]``, or
+    with tables made by :func:`rotary` for them (``positions_bt`` a :class:`Rotary`)."""
+    tables = positions_bt if isinstance(positions_bt, Rotary) else rotary(positions_bt, x_bthd.shape[-1], theta)
+    cos, sin = tables.cos.astype(x_bthd.dtype), tables.sin.astype(x_bthd.dtype)
     x1, x2 = jnp.split(x_bthd, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return x_bthd * cos + rotated * sin

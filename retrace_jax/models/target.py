@@ -22,7 +22,7 @@ from retrace_jax.attention import (
 )
 from retrace_jax.models.config import ModelConfig
 from retrace_jax.models.kv_cache import KVCache
-from retrace_jax.models.layers import DecoderBlock, RMSNorm, linear
+from retrace_jax.models.layers import DecoderBlock, RMSNorm, linear, rotary
 
 
 def stack_modules(modules: Sequence[nnx.Module]) -> nnx.Module:
@@ -185,9 +185,10 @@ class TargetModel(nnx.Module):
             raise ValueError(f"feature layers {bad} outside 0..{num_layers - 1}")
         kept = sorted(set(feature_layers) - {num_layers - 1})
         graphdef, params = nnx.split(self.layers)
+        tables = rotary(positions_bt, self.cfg.head_dim, self.cfg.rope_theta)  # once, for every layer
 
         def block(x, carry, layer_params, layer):
-            return nnx.merge(graphdef, layer_params)(x, positions_bt, attend_at(layer, carry))
+            return nnx.merge(graphdef, layer_params)(x, tables, attend_at(layer, carry))
 
         per_layer = None if scan_layers else getattr(self, "_per_layer", None)
         if not scan_layers and getattr(self, "_in_place", False):  # static slices where each layer runs

@@ -41,3 +41,11 @@ def test_device_check_smoke(tmp_path):
         "plain decode step (unrolled, per-layer copies)"]["kept_bytes"]
     assert loops["plain decode step (scan)"]["weight_copies"] > 0  # XLA:CPU copies each layer's slices
     assert {"projection products (joined)", "projection products (separate)"} <= whats
+    # the attention rows: attention alone at each attention context, per implementation (a CPU: dense and
+    # the chunked walk), then plain steps at the longer context
+    attention = {(r["what"], r["batch"], r["context"], r["attention"]) for r in rows if "attention" in r}
+    assert attention == {(w, b, c, a) for w, b in (("decode attention", 1), ("decode attention", 8),
+                                                   ("verify attention", 1))
+                         for c in (64, 256) for a in ("dense", "chunked")}
+    assert {(r["what"], r["context"]) for r in rows if r["what"].startswith("plain decode step (")
+            and r.get("context") == 256} == {("plain decode step (dense)", 256), ("plain decode step (chunked)", 256)}

@@ -35,3 +35,8 @@ def test_compiler_options_parse_to_xla_types():
     assert parse_options("") == {}
     with pytest.raises(ValueError, match="key=value"):
         parse_options("xla_gpu_enable_triton_gemm")
+    # a list value (XLA's command buffer kinds) continues over the commas
+    assert parse_options("xla_gpu_enable_command_buffer=FUSION,CUBLAS,WHILE,xla_gpu_autotune_level=0") == {
+        "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,WHILE", "xla_gpu_autotune_level": 0}
+    with pytest.raises(ValueError, match="key=value"):
+        parse_options("xla_gpu_enable_triton_gemm=false,WHILE")
