@@ -19,7 +19,13 @@ Prints one table:
   positions after a random feature projection and ``hidden_norm`` (``drafter.init_fc: random``), which
   the drafter's attention must see past: 0 would be positions as different as random vectors.
 
-Every number comes from the weights and stored features; nothing is trained.
+- **The data's floor** (``--data``: a prepared data directory, ``shard_*.npz``): the entropy of the response
+  tokens' frequencies (the loss of a drafter that learnt only which tokens are common) and how often the
+  token after the anchor is the one most often seen after the anchor's token in the same data (the first
+  slot's accuracy of a bigram table fitted to the data itself), the two first stages a drafter's training
+  passes through.
+
+Every number comes from the weights, stored features and data; nothing is trained.
 """
 
 from __future__ import annotations
@@ -66,6 +72,26 @@ def feature_statistics(features_nf: np.ndarray, width: int, seed: int = 0) -> di
     return out
 
 
+def data_floor(sequences) -> dict:
+    """The unigram entropy of the labels and the in-sample bigram accuracy at the first slot, over the
+    response positions ``p`` whose next position is a response position too, of ``(tokens, loss_mask)``
+    pairs."""
+    pairs = []
+    for tokens, mask in sequences:
+        tokens, mask = np.asarray(tokens, np.int64), np.asarray(mask).astype(bool)
+        at = np.nonzero(mask[:-1] & mask[1:])[0]
+        pairs.append(np.stack([tokens[at], tokens[at + 1]], 1))
+    pairs = np.concatenate(pairs)
+    _, counts = np.unique(pairs[:, 1], return_counts=True)
+    freq = counts / counts.sum()
+    keys, bigram = np.unique(pairs, axis=0, return_counts=True)
+    best = np.zeros(int(keys[:, 0].max()) + 1, np.int64)
+    np.maximum.at(best, keys[:, 0], bigram)
+    return {"labels": int(len(pairs)), "unigram entropy (nats)": round(float(-(freq * np.log(freq)).sum()), 3),
+            "most frequent token's share": round(float(freq.max()), 3),
+            "first slot right by the data's own bigram table": round(float(best.sum() / len(pairs)), 3)}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="a Hugging Face directory")
@@ -74,6 +100,7 @@ def main(argv=None):
     p.add_argument("--feature-layers", default=None, help="the store's target layers, for the labels")
     p.add_argument("--positions", type=int, default=2000, help="consecutive stored positions to read")
     p.add_argument("--start", type=int, default=50000, help="the first of them")
+    p.add_argument("--data", default=None, help="a prepared data directory (shard_*.npz)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -103,6 +130,15 @@ def main(argv=None):
             for i, name in enumerate(names):
                 key = key.replace(f"layer slot {i}:", f"target layer {name}:")
             result[key] = value
+    if args.data:
+        import glob
+
+        sequences = []
+        for path in sorted(glob.glob(os.path.join(args.data, "shard_*.npz"))):
+            with np.load(path) as shard:
+                tokens, mask, offsets = shard["tokens"], shard["loss_mask"], shard["offsets"]
+            sequences += [(tokens[a:b], mask[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
+        result.update({f"data: {k}": v for k, v in data_floor(sequences).items()})
     report(result, args.out)
 
 

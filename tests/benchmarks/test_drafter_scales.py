@@ -28,3 +28,16 @@ def test_feature_statistics_on_known_features():
     different = feature_statistics(np.concatenate([spread, spread[::-1]], axis=1), width)[
         "context vectors after a random projection: mean cosine of two positions"]
     assert alike > 0.5 and abs(different) < 0.1
+
+
+def test_data_floor():
+    from benchmarks.drafter_scales import data_floor
+
+    # 1 -> 2 always, 2 -> 3 twice and 2 -> 1 once; the first position of each is a prompt token
+    seqs = [(np.array([0, 1, 2, 3]), np.array([0, 1, 1, 1])), (np.array([0, 2, 3, 0]), np.array([0, 1, 1, 0])),
+            (np.array([5, 2, 1]), np.array([0, 1, 1]))]
+    floor = data_floor(seqs)
+    assert floor["labels"] == 4  # (1,2) (2,3) (2,3) (2,1)
+    assert floor["first slot right by the data's own bigram table"] == 0.75
+    assert floor["most frequent token's share"] == 0.5
+    assert np.isclose(floor["unigram entropy (nats)"], -(0.5 * np.log(0.5) + 2 * 0.25 * np.log(0.25)), atol=1e-3)
