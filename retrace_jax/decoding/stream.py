@@ -53,10 +53,13 @@ from retrace_jax.decoding.sampling import SamplingMode, SamplingParams, step_key
 from retrace_jax.decoding.speculative import RoundConstants, SpecCarry, empty_memory, speculative_round
 from retrace_jax.models.draft_vocab import draft_head
 
-PREFILL_CHUNK = 32  # prompt tokens per prefill pass of a refilled slot (the last pass is padded)
+# Prompt tokens per prefill pass of a refilled slot (the last pass is padded). On two CPU cores a one-row
+# pass of 64 tokens cost 1.6 passes of 32 (docs/performance.md, "Streams against static batches"): fewer
+# passes for the same prompt, whose padding costs less than the passes saved on prompts of 40-200 tokens.
+PREFILL_CHUNK = 64
 # Free slots refill in one prefill over the whole batch when at least this fraction of the slots (and at
 # least 2) refill at once, as at the start of a stream; fewer refill one row at a time, each over its own
-# row. On two CPU cores a pass of 8 rows cost 5.6 one-row passes (docs/performance.md, "Streams against
+# row. On two CPU cores a pass over 8 rows cost 5-7 one-row passes (docs/performance.md, "Streams against
 # static batches"): compute-bound prefills gain from batching only when nearly every row needs one.
 REFILL_TOGETHER = 0.75
 

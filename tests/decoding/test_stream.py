@@ -78,10 +78,11 @@ def test_prefill_rows_fills_several_rows_each_as_alone(tiny):
 
 
 def test_slots_refilled_together_with_prompts_of_different_lengths(tiny):
-    """Several free slots refill in one pass: the 4 slots at the start (prompts of 40, 1, 33 and 5
-    tokens), and 2 slots whose identical prompts stop in the same round (then prompts of 40 and 1
-    tokens take them together). Greedy: each prompt's own output; sampled: the static batch's."""
-    long, other = list(range(3, 43)), mixed_prompts(6, seed=10, vocab=500)
+    """Several free slots refill in one pass: the 4 slots at the start (prompts of 70, 1, 33 and 5
+    tokens: the longest takes two passes of 64), and 2 slots whose identical prompts stop in the same
+    round (then prompts of 70 and 1 tokens take them together). Greedy: each prompt's own output;
+    sampled: the static batch's."""
+    long, other = list(range(3, 73)), mixed_prompts(6, seed=10, vocab=500)
     prompts = [long, [17], list(range(60, 93)), other[0][:5], *other[1:]]
     assert rj.generate(tiny, prompts, 14, slots=4).tokens == [rj.generate(tiny, [p], 14).tokens[0] for p in prompts]
     pair = other[2]
@@ -96,9 +97,9 @@ def test_slots_refilled_together_with_prompts_of_different_lengths(tiny):
 
 
 def test_plain_greedy_equals_each_prompt_alone(tiny):
-    """Prompts of 1 to 39 tokens (prefill passes of 32: one or two each), some stopped early by stop
+    """Prompts of 1 to 79 tokens (prefill passes of 64: one or two each), some stopped early by stop
     tokens, through 3 slots: each output is the prompt's own, and so are the stop reasons."""
-    prompts = mixed_prompts(9, vocab=500)
+    prompts = mixed_prompts(9, vocab=500, longest=80)
     free = rj.generate(tiny, prompts, 20).tokens
     stops = [free[0][3], free[4][9]]
     out = rj.generate(tiny, prompts, 20, slots=3, stop_token_ids=stops, rounds_per_call=7)
