@@ -106,60 +106,62 @@ class StreamCarry:
     rounds: jax.Array  # int32 scalar: rounds run since the stream began
 
 
-def _merge_rows(tree, first, refill_r, rows_tree):
-    """Every leaf of ``tree`` (batch-major) with its rows ``first .. first + R - 1`` taken from
-    ``rows_tree`` (``R`` rows) where ``refill`` holds, the others as they were."""
-    r = refill_r.shape[0]
+def _merge_rows(tree, first, refill_b, rows_tree):
+    """Every leaf of ``tree`` (batch-major) with its rows ``first .. first + len(refill) - 1`` taken from
+    ``rows_tree`` (a row view's ``B`` rows, as :meth:`~retrace_jax.models.kv_cache.KVCache.row_view` names
+    them) where ``refill`` holds, the others as they were."""
+    rows = refill_b.shape[0]
 
     def merge(x, new):
-        old = jax.lax.dynamic_slice_in_dim(x, first, r, 0)
-        mask = refill_r.reshape((r,) + (1,) * (x.ndim - 1))
+        old = jax.lax.dynamic_slice_in_dim(x, first, rows, 0)
+        mask = refill_b.reshape((rows,) + (1,) * (x.ndim - 1))
         return jax.lax.dynamic_update_slice_in_dim(x, jnp.where(mask, new.astype(x.dtype), old), first, 0)
 
     return jax.tree.map(merge, tree, rows_tree)
 
 
-def prefill_rows(target, drafter, target_cache, draft_cache, first, refill_r, tokens_rp, lengths_r, chunk: int,
+def prefill_rows(target, drafter, target_cache, draft_cache, first, refill_b, tokens_bp, lengths_b, chunk: int,
                  attention="auto"):
-    """Prefills the rows ``first + r`` (``r < R``; ``first`` may be traced) where ``refill[r]`` holds with
-    ``tokens[r, :lengths[r]]``, all of them together in passes of ``chunk`` tokens over a view of ``R``
-    rows of the caches (:meth:`~retrace_jax.models.kv_cache.KVCache.row_view`), as many passes as the
-    longest of them needs. Pass ``i`` runs each refilled row's tokens ``i * chunk ..`` at their positions
-    (the last pass of a row padded); a row whose prompt is done, and a row of the view that is not
-    refilled, runs padding past its own length, where nothing reads it and the next write overwrites it,
-    and keeps its length: its text is untouched (the caches hold ``chunk`` positions past the longest
-    text for this: :func:`spare_max_len`). Returns the caches (a refilled row of length ``lengths[r]``)
-    and the final-norm state of each refilled row's last prompt token ``[R, d]`` (zeros for the others).
+    """Prefills the rows ``first + b`` (``first`` may be traced) where ``refill[b]`` holds with
+    ``tokens[b, :lengths[b]]``, all of them together in passes of ``chunk`` tokens over a view of
+    ``len(refill)`` rows of the caches (the ``B`` rows of a
+    :meth:`~retrace_jax.models.kv_cache.KVCache.row_view`: the whole batch, or one row of it), as many
+    passes as the longest prompt needs. Pass ``i`` runs each refilled row's tokens ``i * chunk ..`` at
+    their positions (a row's last pass padded); a row whose prompt is done, and a row of the view that is
+    not refilled, runs padding past its own length, where nothing reads it and the next write overwrites
+    it, and keeps its length: its text is untouched (the caches hold ``chunk`` positions past the longest
+    text for this: :func:`spare_max_len`). Returns the caches (a refilled row of length ``lengths[b]``)
+    and the final-norm state of each refilled row's last prompt token ``[B, d]`` (zeros for the others).
     ``drafter`` (or None): its context cache takes the target's features of every prompt position, as
     :func:`~retrace_jax.decoding.speculative.speculative_init` fills it."""
-    rows = refill_r.shape[0]
+    rows = refill_b.shape[0]
     layer_ids = () if drafter is None else drafter.cfg.target_layer_ids
     old_t = jax.lax.dynamic_slice_in_dim(target_cache.lengths, first, rows)
     old_d = None if drafter is None else jax.lax.dynamic_slice_in_dim(draft_cache.lengths, first, rows)
-    passes = jnp.max(jnp.where(refill_r, (lengths_r + chunk - 1) // chunk, 0))
-    last_pass_r = (lengths_r - 1) // chunk
+    passes = jnp.max(jnp.where(refill_b, (lengths_b + chunk - 1) // chunk, 0))
+    last_pass_b = (lengths_b - 1) // chunk
 
-    def offsets(i, old_r):  # where each row of the view writes in pass i
-        return jnp.where(refill_r, jnp.minimum(i * chunk, lengths_r), old_r)
+    def offsets(i, old_b):  # where each row of the view writes in pass i
+        return jnp.where(refill_b, jnp.minimum(i * chunk, lengths_b), old_b)
 
     def one(i, state):
         view_t, view_d, last = state
-        tokens = jax.lax.dynamic_slice_in_dim(tokens_rp, i * chunk, chunk, 1)  # [R, chunk]
+        tokens = jax.lax.dynamic_slice_in_dim(tokens_bp, i * chunk, chunk, 1)  # [B, chunk]
         out = target(tokens, view_t.replace(lengths=offsets(i, old_t)), feature_layers=layer_ids,
                      attention=attention)
         if drafter is not None:
             view_d = drafter.extend_cache(out.features, view_d.replace(lengths=offsets(i, old_d)))
-        at = jnp.clip(lengths_r - 1 - i * chunk, 0, chunk - 1)
-        here = jnp.take_along_axis(out.hidden, at[:, None, None], 1)[:, 0]  # [R, d]
-        mine = (refill_r & (last_pass_r == i))[:, None]
+        at = jnp.clip(lengths_b - 1 - i * chunk, 0, chunk - 1)
+        here = jnp.take_along_axis(out.hidden, at[:, None, None], 1)[:, 0]  # [B, d]
+        mine = (refill_b & (last_pass_b == i))[:, None]
         return out.cache, view_d, jnp.where(mine, here.astype(last.dtype), last)
 
     views = (target_cache.row_view(first, old_t), None if drafter is None else draft_cache.row_view(first, old_d),
              jnp.zeros((rows, target.cfg.hidden_size), target.dtype))
     view_t, view_d, last = jax.lax.fori_loop(0, passes, one, views)
 
-    def lengths(cache, old_r):
-        return jax.lax.dynamic_update_slice_in_dim(cache.lengths, jnp.where(refill_r, lengths_r, old_r), first, 0)
+    def lengths(cache, old_b):
+        return jax.lax.dynamic_update_slice_in_dim(cache.lengths, jnp.where(refill_b, lengths_b, old_b), first, 0)
 
     target_cache = view_t.whole(lengths(target_cache, old_t))
     if drafter is not None:
@@ -167,27 +169,27 @@ def prefill_rows(target, drafter, target_cache, draft_cache, first, refill_r, to
     return target_cache, draft_cache, last
 
 
-def _start_rows(models, consts, step, first, refill_r, tokens_rp, lengths_r, keys_r, chunk):
-    """The rows ``first + r`` of the step carry where ``refill[r]`` holds taken over by new prompts
+def _start_rows(models, consts, step, first, refill_b, tokens_bp, lengths_b, keys_b, chunk):
+    """The rows ``first + b`` of the step carry where ``refill[b]`` holds taken over by new prompts
     (:func:`prefill_rows`): their output, acceptance record and ReTrace memory reset, and each first
     token (key step 0) committed; the other rows as they were."""
     target, drafter = models
     speculative = isinstance(step, SpecCarry)
-    rows = refill_r.shape[0]
+    rows = refill_b.shape[0]
     target_cache = step.target_cache if speculative else step.cache
-    target_cache, draft_cache, last_rd = prefill_rows(target, drafter, target_cache,
-                                                      step.draft_cache if speculative else None, first, refill_r,
-                                                      tokens_rp, lengths_r, chunk, consts.attention)
-    logits_rv = target.logits(last_rd)
-    token_r = consts.sampling.choose(step_keys(keys_r, jnp.zeros((rows,), jnp.int32)), logits_rv, consts.mode)
+    target_cache, draft_cache, last_bd = prefill_rows(target, drafter, target_cache,
+                                                      step.draft_cache if speculative else None, first, refill_b,
+                                                      tokens_bp, lengths_b, chunk, consts.attention)
+    logits_bv = target.logits(last_bd)
+    token_b = consts.sampling.choose(step_keys(keys_b, jnp.zeros((rows,), jnp.int32)), logits_bv, consts.mode)
     capacity = step.buf.tokens.shape[1]
-    buf = stop_non_finite(OutputBuffer.empty(rows, capacity), logits_rv)
-    buf = commit(buf, token_r[:, None], jnp.ones((rows,), jnp.int32), consts.max_new, consts.stop_ids)
-    merge = functools.partial(_merge_rows, first=first, refill_r=refill_r)
+    buf = stop_non_finite(OutputBuffer.empty(rows, capacity), logits_bv)
+    buf = commit(buf, token_b[:, None], jnp.ones((rows,), jnp.int32), consts.max_new, consts.stop_ids)
+    merge = functools.partial(_merge_rows, first=first, refill_b=refill_b)
     buf = merge(step.buf, rows_tree=buf)
     zeros = jnp.zeros((rows,), jnp.int32)
     if not speculative:
-        return PlainCarry(target_cache.constrain(consts.mesh), buf, merge(step.last_b, rows_tree=token_r))
+        return PlainCarry(target_cache.constrain(consts.mesh), buf, merge(step.last_b, rows_tree=token_b))
     memory = step.memory
     if memory is not None:  # the empty memory of a new prompt, as speculative_init makes it
         memory = merge(memory, rows_tree=empty_memory(models, rows, memory.valid.shape[1]))
@@ -195,7 +197,7 @@ def _start_rows(models, consts, step, first, refill_r, tokens_rp, lengths_r, key
         target_cache=target_cache.constrain(consts.mesh),
         draft_cache=draft_cache.constrain(consts.mesh),
         buf=buf,
-        anchor_b=merge(step.anchor_b, rows_tree=token_r),
+        anchor_b=merge(step.anchor_b, rows_tree=token_b),
         accept_br=merge(step.accept_br, rows_tree=jnp.zeros((rows, step.accept_br.shape[1]), jnp.int32)),
         rounds_b=merge(step.rounds_b, rows_tree=zeros),
         memory=memory,
