@@ -106,7 +106,7 @@ def memory_child(args) -> None:
                       "compile_s": compiled}))
 
 
-def prefill_passes(args) -> dict:
+def prefill_passes(args, commit: str) -> dict:
     """Seconds per prefill pass of a refill (:func:`~retrace_jax.decoding.stream.prefill_rows`) over one
     row and over all ``--slots`` rows, at 32 and 64 tokens per pass, side by side (medians of ``--runs``
     alternating calls after a compiling one), in a cache whose other rows hold 256 positions of text."""
@@ -140,7 +140,7 @@ def prefill_passes(args) -> dict:
         ms = 1000 * statistics.median(s)
         rows_out.append({"rows": rows, "chunk": chunk, "ms_per_pass": ms, "seconds": s})
         print(f"| {rows} | {chunk} | {ms:.0f} | {ms / (rows * chunk):.2f} |")
-    return {"commit": _commit(), "prefill_passes": rows_out}
+    return {"commit": commit, "prefill_passes": rows_out}
 
 
 def load(path):
@@ -177,14 +177,15 @@ def main(argv=None):
                    help="only time one refill's prefill pass over 1 and --slots rows at 32 and 64 tokens per pass")
     p.add_argument("--out", help="write the results as JSON")
     args = p.parse_args(argv)
+    commit = _commit()  # the code this process loaded, whatever HEAD is when it ends
     if args.memory_child:
         return memory_child(args)
     if args.prefill_only:
-        result = prefill_passes(args)
+        result = prefill_passes(args, commit)
         write_json(result, args.out)
         return result
     if args.memory_only:
-        result = {"commit": _commit(), "memory": memory_runs(args)}
+        result = {"commit": commit, "memory": memory_runs(args)}
         write_json(result, args.out)
         return result
     if min(args.num_prompts, args.slots, args.max_new_tokens, args.runs) < 1:
@@ -249,7 +250,7 @@ def main(argv=None):
         "target": os.path.abspath(args.target) if args.target != "tiny" else "tiny", "prompts": len(ids),
         "slots": args.slots, "max_new_tokens": args.max_new_tokens, "warmup_new_tokens": warmup, "runs": args.runs,
         "static_orders": orders,
-        "backend": jax.default_backend(), "jax": jax.__version__, "commit": _commit(),
+        "backend": jax.default_backend(), "jax": jax.__version__, "commit": commit,
         "response_lengths": {"min": min(lengths), "median": statistics.median(lengths), "max": max(lengths),
                              "p10": float(np.percentile(lengths, 10)), "p90": float(np.percentile(lengths, 90)),
                              "max_over_min": max(lengths) / max(min(lengths), 1),
@@ -262,7 +263,7 @@ def main(argv=None):
           f"{args.slots} slots / static batches of {args.slots}, max_new_tokens {args.max_new_tokens}; response "
           f"lengths {r['min']}-{r['max']} (max/min {r['max_over_min']:.1f}x; p10 {r['p10']:.0f}, median "
           f"{r['median']:.0f}, p90 {r['p90']:.0f}, {r['at_max_new_tokens']} at the limit); medians of {args.runs} "
-          f"alternating runs ({jax.default_backend()}, jax {jax.__version__}, commit {result['commit']})\n")
+          f"alternating runs ({jax.default_backend()}, jax {jax.__version__}, commit {commit})\n")
     print("| method | static batches | static tokens/s | stream tokens/s | stream / static | static rounds | "
           "stream rounds | busy-rows rounds | prompts differing |")
     print("|---|---|---|---|---|---|---|---|---|")
