@@ -3,14 +3,18 @@ prompts (what ``train.py``'s preparation ran before it streamed: batches in orde
 as slow as its longest response), plain and speculative, side by side in one process.
 
     python benchmarks/stream_throughput.py                      # SmolLM2-135M-Instruct, Spec-Bench, 8 slots
-    python benchmarks/stream_throughput.py --num-prompts 48 --slots 8 --max-new-tokens 192 --runs 3
+    python benchmarks/stream_throughput.py --num-prompts 48 --slots 8 --max-new-tokens 256 \
+        --warmup-new-tokens 129 --runs 1 --static-order length,given
 
 The prompts are Spec-Bench questions (``rj.assets.SPEC_BENCH``) through the target's chat template, taken
 evenly over the file (its categories, from writing to translation, follow one another) among those of at
 most ``--max-prompt-len`` tokens, so the greedy responses end at very different lengths (the table reports
-their spread). Per method, the medians of
-``--runs`` alternating runs (static, then stream) after a compiling one: new tokens per second over the
-whole set, the ratio, and how many prompts' tokens differ between the two (greedy: none should).
+their spread: p10, median, p90 and max over min). Per method, the medians of ``--runs`` alternating runs
+(static batches in each ``--static-order``, then the stream) after a compiling one (of
+``--warmup-new-tokens``, which compiles the same programs when it pads to the same output capacity): new
+tokens per second over the whole set, the ratio, how many prompts' tokens differ (greedy: none should),
+and the rounds each way ran beside the rounds of slots that never idle (the sum of the prompts' rounds
+over the slots), which bound what a stream can gain.
 
 ``--memory P1,P2,...`` also runs, each in a fresh process, a stream of that many 1-token prompts with
 ``--memory-new-tokens`` new tokens each through ``--slots`` slots on ``--memory-target`` and reports the
@@ -18,6 +22,9 @@ process's peak resident memory: the stream holds ``--slots`` rows of caches what
 (``--memory-only`` skips the throughput runs).
 
     python benchmarks/stream_throughput.py --memory-only --memory 16,10000 --slots 16
+
+``--prefill-only`` times one pass of a refill's prefill over one row and over all ``--slots`` rows, at 32
+and 64 tokens per pass (what ``PREFILL_CHUNK`` and ``REFILL_TOGETHER`` in ``decoding/stream.py`` rest on).
 """
 
 from __future__ import annotations
