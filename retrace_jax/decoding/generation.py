@@ -248,7 +248,7 @@ def _generate_stream(target, drafter, prompts, slots, capacity, max_new, stops, 
         models.append(drafter)
     else:
         block_size = 0
-    max_len = spare_max_len(prompt_len, capacity, block_size)
+    max_len = spare_max_len(prompt_len, capacity, block_size, chunk)
     key, spare = take_spare([(m.cfg, slots, max_len, m.dtype if cache_dtype is None else cache_dtype, mesh)
                              for m in models])
     result, spare = run_stream(target_def, target_state, drafter_def, drafter_state, prompts, slots=slots,

@@ -14,13 +14,17 @@ fixed shape) and takes back the harvest (at most ``F`` finished prompts), so dev
 the slots, whatever the number of prompts, and a second call compiles nothing. The carry
 (:class:`StreamCarry`: the slots' caches, outputs and sampling state) is donated from call to call.
 
-**Refill.** The free slot takes the prompt's tokens through a prefill of fixed-shape chunks of
-``chunk`` tokens (``ceil(length / chunk)`` of them: the cost grows with the prompt, not with its bucket)
-over a one-row view of the batch's caches (:meth:`~retrace_jax.models.kv_cache.KVCache.row_view`): the
-target writes its keys and values into that row in place and, for speculative decoding, the drafter's
-context cache is filled from the target's features of the prompt, as the batch prefill fills it. Then the
-slot's output, acceptance record, ReTrace memory and random stream start afresh, and the first token is
-chosen from the prompt's last logits, as in the batch prefill.
+**Refill.** The free slots take the next waiting prompts, in slot order, through a prefill of
+fixed-shape passes of ``chunk`` tokens (``ceil(length / chunk)`` of them for the longest: the cost grows
+with the prompts, not with their bucket) over a view of the batch's caches
+(:meth:`~retrace_jax.models.kv_cache.KVCache.row_view`, :func:`prefill_rows`): when at least
+:func:`refill_together` slots refill at once (the start of a stream, rows that stop together), all of them
+in one pass over the whole batch, the other rows running padding past their own text; otherwise the first
+free slot alone over its own row, and the next in the loop's next iteration. The target writes its keys
+and values into the refilled rows in place and, for speculative decoding, the drafter's context cache is
+filled from the target's features of the prompts, as the batch prefill fills it. Then each refilled slot's
+output, acceptance record, ReTrace memory and random stream start afresh, and its first token is chosen
+from its prompt's last logits, as in the batch prefill.
 
 **Random streams.** Slot ``b`` holding prompt ``i`` draws with ``fold_in(PRNGKey(seed), i)`` (folded with
 its own step counter, which starts at 0 with the prompt), the key row ``i`` of a static batch uses. So a
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 
 import jax
@@ -48,13 +53,26 @@ from retrace_jax.decoding.sampling import SamplingMode, SamplingParams, step_key
 from retrace_jax.decoding.speculative import RoundConstants, SpecCarry, empty_memory, speculative_round
 from retrace_jax.models.draft_vocab import draft_head
 
-PREFILL_CHUNK = 32  # prompt tokens per prefill pass of a refilled slot (the last pass is padded)
+# Prompt tokens per prefill pass of a refilled slot (the last pass is padded). On two CPU cores a one-row
+# pass of 64 tokens cost 1.6 passes of 32 (docs/performance.md, "Streams against static batches"): fewer
+# passes for the same prompt, whose padding costs less than the passes saved on prompts of 40-200 tokens.
+PREFILL_CHUNK = 64
+# Free slots refill in one prefill over the whole batch when at least this fraction of the slots (and at
+# least 2) refill at once, as at the start of a stream; fewer refill one row at a time, each over its own
+# row. On two CPU cores a pass over 8 rows cost 5-7 one-row passes (docs/performance.md, "Streams against
+# static batches"): compute-bound prefills gain from batching only when nearly every row needs one.
+REFILL_TOGETHER = 0.75
 
 
 def prefill_chunk(prompt_len: int) -> int:
     """The tokens per prefill pass for prompts padded to ``prompt_len``: :data:`PREFILL_CHUNK`, or the
     padded length itself when it is shorter."""
     return min(PREFILL_CHUNK, prompt_len)
+
+
+def refill_together(slots: int) -> int:
+    """How many free slots refill in one pass over the whole batch (see :data:`REFILL_TOGETHER`)."""
+    return max(2, math.ceil(REFILL_TOGETHER * slots))
 
 
 @struct.dataclass
@@ -88,67 +106,100 @@ class StreamCarry:
     rounds: jax.Array  # int32 scalar: rounds run since the stream began
 
 
-def _set_row(tree, slot, row_tree):
-    """Every leaf of ``tree`` (batch-major) with row ``slot`` replaced by ``row_tree``'s single row."""
-    return jax.tree.map(lambda x, r: jax.lax.dynamic_update_index_in_dim(x, r.astype(x.dtype), slot, 0), tree, row_tree)
+def _merge_rows(tree, first, refill_b, rows_tree):
+    """Every leaf of ``tree`` (batch-major) with its rows ``first .. first + len(refill) - 1`` taken from
+    ``rows_tree`` (a row view's ``B`` rows, as :meth:`~retrace_jax.models.kv_cache.KVCache.row_view` names
+    them) where ``refill`` holds, the others as they were."""
+    rows = refill_b.shape[0]
+
+    def merge(x, new):
+        old = jax.lax.dynamic_slice_in_dim(x, first, rows, 0)
+        mask = refill_b.reshape((rows,) + (1,) * (x.ndim - 1))
+        return jax.lax.dynamic_update_slice_in_dim(x, jnp.where(mask, new.astype(x.dtype), old), first, 0)
+
+    return jax.tree.map(merge, tree, rows_tree)
 
 
-def prefill_slot(target, drafter, target_cache, draft_cache, slot, tokens_p, length, chunk: int, attention="auto"):
-    """Prefills row ``slot`` of the caches with ``tokens[:length]`` in passes of ``chunk`` tokens (the
-    last one padded; what the padding writes lies past ``length``, where nothing reads it), leaving the
-    other rows as they are. Returns the caches (row ``slot`` of length ``length``) and the final-norm
-    state of the prompt's last token ``[d]``. ``drafter`` (or None): its context cache takes the target's
-    features of every prompt position, as :func:`~retrace_jax.decoding.speculative.speculative_init`
-    fills it."""
+def prefill_rows(target, drafter, target_cache, draft_cache, first, refill_b, tokens_bp, lengths_b, chunk: int,
+                 attention="auto"):
+    """Prefills the rows ``first + b`` (``first`` may be traced) where ``refill[b]`` holds with
+    ``tokens[b, :lengths[b]]``, all of them together in passes of ``chunk`` tokens over a view of
+    ``len(refill)`` rows of the caches (the ``B`` rows of a
+    :meth:`~retrace_jax.models.kv_cache.KVCache.row_view`: the whole batch, or one row of it), as many
+    passes as the longest prompt needs. Pass ``i`` runs each refilled row's tokens ``i * chunk ..`` at
+    their positions (a row's last pass padded); a row whose prompt is done, and a row of the view that is
+    not refilled, runs padding past its own length, where nothing reads it and the next write overwrites
+    it, and keeps its length: its text is untouched (the caches hold ``chunk`` positions past the longest
+    text for this: :func:`spare_max_len`). Returns the caches (a refilled row of length ``lengths[b]``)
+    and the final-norm state of each refilled row's last prompt token ``[B, d]`` (zeros for the others).
+    ``drafter`` (or None): its context cache takes the target's features of every prompt position, as
+    :func:`~retrace_jax.decoding.speculative.speculative_init` fills it."""
+    rows = refill_b.shape[0]
     layer_ids = () if drafter is None else drafter.cfg.target_layer_ids
-    empty = jnp.zeros((1,), jnp.int32)
-    passes = (length + chunk - 1) // chunk
+    old_t = jax.lax.dynamic_slice_in_dim(target_cache.lengths, first, rows)
+    old_d = None if drafter is None else jax.lax.dynamic_slice_in_dim(draft_cache.lengths, first, rows)
+    passes = jnp.max(jnp.where(refill_b, (lengths_b + chunk - 1) // chunk, 0))
+    last_pass_b = (lengths_b - 1) // chunk
+
+    def offsets(i, old_b):  # where each row of the view writes in pass i
+        return jnp.where(refill_b, jnp.minimum(i * chunk, lengths_b), old_b)
 
     def one(i, state):
         view_t, view_d, last = state
-        tokens = jax.lax.dynamic_slice_in_dim(tokens_p, i * chunk, chunk)[None]  # [1, chunk]
-        out = target(tokens, view_t, feature_layers=layer_ids, attention=attention)
+        tokens = jax.lax.dynamic_slice_in_dim(tokens_bp, i * chunk, chunk, 1)  # [B, chunk]
+        out = target(tokens, view_t.replace(lengths=offsets(i, old_t)), feature_layers=layer_ids,
+                     attention=attention)
         if drafter is not None:
-            view_d = drafter.extend_cache(out.features, view_d)
-        here = jax.lax.dynamic_index_in_dim(out.hidden[0], jnp.clip(length - 1 - i * chunk, 0, chunk - 1), 0, False)
-        return out.cache, view_d, jnp.where(i == passes - 1, here.astype(last.dtype), last)
+            view_d = drafter.extend_cache(out.features, view_d.replace(lengths=offsets(i, old_d)))
+        at = jnp.clip(lengths_b - 1 - i * chunk, 0, chunk - 1)
+        here = jnp.take_along_axis(out.hidden, at[:, None, None], 1)[:, 0]  # [B, d]
+        mine = (refill_b & (last_pass_b == i))[:, None]
+        return out.cache, view_d, jnp.where(mine, here.astype(last.dtype), last)
 
-    views = (target_cache.row_view(slot, empty), None if drafter is None else draft_cache.row_view(slot, empty),
-             jnp.zeros((target.cfg.hidden_size,), target.dtype))
+    views = (target_cache.row_view(first, old_t), None if drafter is None else draft_cache.row_view(first, old_d),
+             jnp.zeros((rows, target.cfg.hidden_size), target.dtype))
     view_t, view_d, last = jax.lax.fori_loop(0, passes, one, views)
-    target_cache = view_t.whole(target_cache.lengths.at[slot].set(length))
+
+    def lengths(cache, old_b):
+        return jax.lax.dynamic_update_slice_in_dim(cache.lengths, jnp.where(refill_b, lengths_b, old_b), first, 0)
+
+    target_cache = view_t.whole(lengths(target_cache, old_t))
     if drafter is not None:
-        draft_cache = view_d.whole(draft_cache.lengths.at[slot].set(length))
+        draft_cache = view_d.whole(lengths(draft_cache, old_d))
     return target_cache, draft_cache, last
 
 
-def _start_slot(models, consts, step, slot, tokens_p, length, key, chunk):
-    """Row ``slot`` of the step carry taken over by a new prompt: prefilled, its output, acceptance
-    record and ReTrace memory reset, and the first token (key step 0) committed."""
+def _start_rows(models, consts, step, first, refill_b, tokens_bp, lengths_b, keys_b, chunk):
+    """The rows ``first + b`` of the step carry where ``refill[b]`` holds taken over by new prompts
+    (:func:`prefill_rows`): their output, acceptance record and ReTrace memory reset, and each first
+    token (key step 0) committed; the other rows as they were."""
     target, drafter = models
     speculative = isinstance(step, SpecCarry)
+    rows = refill_b.shape[0]
     target_cache = step.target_cache if speculative else step.cache
-    target_cache, draft_cache, last_d = prefill_slot(target, drafter, target_cache,
-                                                     step.draft_cache if speculative else None, slot, tokens_p,
-                                                     length, chunk, consts.attention)
-    logits_1v = target.logits(last_d[None])
-    first = consts.sampling.choose(step_keys(key[None], jnp.zeros((1,), jnp.int32)), logits_1v, consts.mode)
+    target_cache, draft_cache, last_bd = prefill_rows(target, drafter, target_cache,
+                                                      step.draft_cache if speculative else None, first, refill_b,
+                                                      tokens_bp, lengths_b, chunk, consts.attention)
+    logits_bv = target.logits(last_bd)
+    token_b = consts.sampling.choose(step_keys(keys_b, jnp.zeros((rows,), jnp.int32)), logits_bv, consts.mode)
     capacity = step.buf.tokens.shape[1]
-    buf = stop_non_finite(OutputBuffer.empty(1, capacity), logits_1v)
-    buf = commit(buf, first[:, None], jnp.ones((1,), jnp.int32), consts.max_new, consts.stop_ids)
-    buf = _set_row(step.buf, slot, buf)
+    buf = stop_non_finite(OutputBuffer.empty(rows, capacity), logits_bv)
+    buf = commit(buf, token_b[:, None], jnp.ones((rows,), jnp.int32), consts.max_new, consts.stop_ids)
+    merge = functools.partial(_merge_rows, first=first, refill_b=refill_b)
+    buf = merge(step.buf, rows_tree=buf)
+    zeros = jnp.zeros((rows,), jnp.int32)
     if not speculative:
-        return PlainCarry(target_cache.constrain(consts.mesh), buf, step.last_b.at[slot].set(first[0]))
+        return PlainCarry(target_cache.constrain(consts.mesh), buf, merge(step.last_b, rows_tree=token_b))
     memory = step.memory
     if memory is not None:  # the empty memory of a new prompt, as speculative_init makes it
-        memory = _set_row(memory, slot, empty_memory(models, 1, memory.valid.shape[1]))
+        memory = merge(memory, rows_tree=empty_memory(models, rows, memory.valid.shape[1]))
     return SpecCarry(
         target_cache=target_cache.constrain(consts.mesh),
         draft_cache=draft_cache.constrain(consts.mesh),
         buf=buf,
-        anchor_b=step.anchor_b.at[slot].set(first[0]),
-        accept_br=step.accept_br.at[slot].set(0),
-        rounds_b=step.rounds_b.at[slot].set(0),
+        anchor_b=merge(step.anchor_b, rows_tree=token_b),
+        accept_br=merge(step.accept_br, rows_tree=jnp.zeros((rows, step.accept_br.shape[1]), jnp.int32)),
+        rounds_b=merge(step.rounds_b, rows_tree=zeros),
         memory=memory,
     )
 
@@ -186,6 +237,7 @@ def _stream_loop(models, consts, carry: StreamCarry, queue_tokens_qp, queue_lens
     batch = carry.prompt_b.shape[0]
     queued = queue_tokens_qp.shape[0]
     base = jax.random.PRNGKey(consts.sampling.seed)
+    together = refill_together(batch)
 
     def waiting(c):
         return c.next_prompt < num_prompts
@@ -194,18 +246,38 @@ def _stream_loop(models, consts, carry: StreamCarry, queue_tokens_qp, queue_lens
         return c.next_prompt - queue_first < queued
 
     def can_refill(state):
-        # Room for a whole round's finishes after this prompt's (the round that follows may finish every slot).
+        # Room for a whole round's finishes after these prompts' (the round that follows may finish every slot).
         c, h = state
         return jnp.any(c.prompt_b < 0) & waiting(c) & in_queue(c) & (h.count < harvest_size - batch)
 
-    def refill_one(state):
+    def refill(state):
+        # The free slots take the next waiting prompts in slot order: all of them in one prefill over the
+        # whole batch when at least `together` refill at once, else the first one over its own row.
         c, h = state
-        slot = jnp.argmax(c.prompt_b < 0).astype(jnp.int32)
-        q = c.next_prompt - queue_first
-        key = jax.random.fold_in(base, c.next_prompt)  # the prompt's stream, wherever it runs (module docstring)
-        step = _start_slot(models, consts, c.step, slot, queue_tokens_qp[q], queue_lens_q[q], key, chunk)
-        c = c.replace(step=step, keys_b=c.keys_b.at[slot].set(key), prompt_b=c.prompt_b.at[slot].set(c.next_prompt),
-                      next_prompt=c.next_prompt + 1)
+        free = c.prompt_b < 0
+        room = jnp.minimum(jnp.minimum(num_prompts, queue_first + queued) - c.next_prompt,
+                           harvest_size - batch - h.count)
+        n = jnp.minimum(jnp.sum(free, dtype=jnp.int32), room)
+        whole = n >= together
+        rank = jnp.cumsum(free, dtype=jnp.int32) - 1
+        refill_b = free & (rank < jnp.where(whole, n, 1))
+        prompt_b = c.next_prompt + rank
+        q_b = jnp.clip(prompt_b - queue_first, 0, queued - 1)
+        tokens_bp, lens_b = queue_tokens_qp[q_b], queue_lens_q[q_b]
+        # each prompt's stream, wherever it runs (module docstring)
+        keys_b = jnp.where(refill_b[:, None], jax.vmap(jax.random.fold_in, (None, 0))(base, prompt_b), c.keys_b)
+        slot = jnp.argmax(free).astype(jnp.int32)
+
+        def all_rows(step):
+            return _start_rows(models, consts, step, 0, refill_b, tokens_bp, lens_b, keys_b, chunk)
+
+        def one_row(step):
+            return _start_rows(models, consts, step, slot, jnp.ones((1,), bool), tokens_bp[slot][None],
+                               lens_b[slot][None], keys_b[slot][None], chunk)
+
+        step = jax.lax.cond(whole, all_rows, one_row, c.step)
+        c = c.replace(step=step, keys_b=keys_b, prompt_b=jnp.where(refill_b, prompt_b, c.prompt_b),
+                      next_prompt=c.next_prompt + jnp.sum(refill_b, dtype=jnp.int32))
         return _harvest(c, h)  # a prompt that its first token ends (a stop token, max_new_tokens 1) leaves at once
 
     def go_on(state):
@@ -216,7 +288,7 @@ def _stream_loop(models, consts, carry: StreamCarry, queue_tokens_qp, queue_lens
 
     def one_round(state):
         (c, h), n = state
-        c, h = jax.lax.while_loop(can_refill, refill_one, (c, h))
+        c, h = jax.lax.while_loop(can_refill, refill, (c, h))
         step = round_fn(consts.replace(keys_b=c.keys_b), c.step)
         c, h = _harvest(c.replace(step=step, rounds=c.rounds + 1), h)
         return (c, h), n + 1
@@ -329,7 +401,7 @@ def run_stream(target_def, target_state, drafter_def, drafter_state, prompts, *,
     whose target logits were not finite (the stream stops there; its caches are not kept)."""
     queued = harvest_size = 2 * slots
     chunk = prefill_chunk(prompt_len)
-    static = dict(slots=slots, max_len=spare_max_len(prompt_len, capacity, block_size), capacity=capacity,
+    static = dict(slots=slots, max_len=spare_max_len(prompt_len, capacity, block_size, chunk), capacity=capacity,
                   block_size=block_size, use_retrace=use_retrace, mode=mode, mesh=mesh, cache_dtype=cache_dtype,
                   attention=attention, layer_loop=layer_loop)
     carry = stream_init(target_def, target_state, drafter_def, drafter_state, kept=kept, spare=spare, **static)
@@ -371,10 +443,11 @@ def run_stream(target_def, target_state, drafter_def, drafter_state, prompts, *,
     return StreamResult(tokens, accept, rounds, calls), caches
 
 
-def spare_max_len(prompt_len: int, capacity: int, block_size: int) -> int:
-    """Positions per slot: the padded prompt, the output capacity and (speculative decoding) one block
-    past the last kept token, which a verify pass may reach."""
-    return prompt_len + capacity + block_size
+def spare_max_len(prompt_len: int, capacity: int, block_size: int, chunk: int) -> int:
+    """Positions per slot: the padded prompt, the output capacity and room past the last kept token for
+    a verify pass's block (speculative decoding) or a prefill pass's ``chunk`` tokens (a refill over the
+    whole batch runs one over every row: :func:`prefill_rows`)."""
+    return prompt_len + capacity + max(block_size, chunk)
 
 
 def non_finite_message(prompts: list[int]) -> str:

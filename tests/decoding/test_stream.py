@@ -44,10 +44,62 @@ def test_a_row_view_reads_and_writes_one_row_of_the_batch(tiny):
             np.testing.assert_array_equal(buf[:, 1, :, :5], one[:, 0, :, :5])
 
 
+def test_prefill_rows_fills_several_rows_each_as_alone(tiny):
+    """One prefill over the whole batch for rows 0, 2 and 3 with prompts of 40 (two passes of 32), 1 and
+    7 tokens, and over a one-row view for row 1 alone: each refilled row holds its prompt's keys and
+    values and gives its last token's state as the prompt alone does; a row not refilled keeps its text
+    and its length."""
+    from retrace_jax.decoding.stream import prefill_rows
+
+    before = tiny(jnp.asarray(mixed_prompts(1, seed=9, vocab=500, longest=2)[0][:1] * 40, jnp.int32).reshape(4, 10),
+                  tiny.init_cache(4, 128)).cache
+    prompts = [list(range(3, 43)), [17], list(range(50, 57))]
+    tokens = np.zeros((4, 64), np.int32)
+    lengths = np.ones((4,), np.int32)
+    for r, p in zip((0, 2, 3), prompts):
+        tokens[r, :len(p)], lengths[r] = p, len(p)
+    refill = jnp.asarray([True, False, True, True])
+    cache, _, last = prefill_rows(tiny, None, before, None, 0, refill, jnp.asarray(tokens), jnp.asarray(lengths), 32)
+    np.testing.assert_array_equal(cache.lengths, [40, 10, 1, 7])
+    np.testing.assert_array_equal(cache.k[:, 1, :, :10], before.k[:, 1, :, :10])
+    np.testing.assert_array_equal(cache.v[:, 1, :, :10], before.v[:, 1, :, :10])
+    np.testing.assert_array_equal(last[1], 0)
+    for r, p in zip((0, 2, 3), prompts):
+        alone = tiny(jnp.asarray([p], jnp.int32), tiny.init_cache(1, 64))
+        np.testing.assert_allclose(last[r], alone.hidden[0, -1], rtol=1e-3, atol=1e-3)
+        np.testing.assert_allclose(cache.k[:, r, :, :len(p)], alone.cache.k[:, 0, :, :len(p)], rtol=1e-3, atol=1e-3)
+        np.testing.assert_allclose(cache.v[:, r, :, :len(p)], alone.cache.v[:, 0, :, :len(p)], rtol=1e-3, atol=1e-3)
+    one, _, last_one = prefill_rows(tiny, None, cache, None, 1, jnp.ones((1,), bool), jnp.asarray(tokens[:1]),
+                                    jnp.asarray(lengths[:1]), 32)
+    np.testing.assert_array_equal(one.lengths, [40, 40, 1, 7])
+    np.testing.assert_allclose(last_one[0], last[0], rtol=1e-3, atol=1e-3)
+    np.testing.assert_array_equal(one.k[:, 0], cache.k[:, 0])
+    np.testing.assert_array_equal(one.k[:, 2:], cache.k[:, 2:])
+
+
+def test_slots_refilled_together_with_prompts_of_different_lengths(tiny):
+    """Several free slots refill in one pass: the 4 slots at the start (prompts of 70, 1, 33 and 5
+    tokens: the longest takes two passes of 64), and 2 slots whose identical prompts stop in the same
+    round (then prompts of 70 and 1 tokens take them together). Greedy: each prompt's own output;
+    sampled: the static batch's."""
+    long, other = list(range(3, 73)), mixed_prompts(6, seed=10, vocab=500)
+    prompts = [long, [17], list(range(60, 93)), other[0][:5], *other[1:]]
+    assert rj.generate(tiny, prompts, 14, slots=4).tokens == [rj.generate(tiny, [p], 14).tokens[0] for p in prompts]
+    pair = other[2]
+    stop = rj.generate(tiny, [pair], 20).tokens[0][4]
+    prompts = [pair, pair, long, [17], other[3], other[4], [5]]
+    out = rj.generate(tiny, prompts, 20, slots=2, stop_token_ids=[stop])
+    assert out.tokens[0] == out.tokens[1] and out.stop_reasons[0] == "stop"
+    assert out.tokens == [rj.generate(tiny, [p], 20, stop_token_ids=[stop]).tokens[0] for p in prompts]
+    sampled = dict(temperature=1.0, seed=4)
+    assert (rj.generate(tiny, prompts, 20, slots=2, stop_token_ids=[stop], **sampled).tokens
+            == rj.generate(tiny, prompts, 20, stop_token_ids=[stop], **sampled).tokens)
+
+
 def test_plain_greedy_equals_each_prompt_alone(tiny):
-    """Prompts of 1 to 39 tokens (prefill passes of 32: one or two each), some stopped early by stop
+    """Prompts of 1 to 79 tokens (prefill passes of 64: one or two each), some stopped early by stop
     tokens, through 3 slots: each output is the prompt's own, and so are the stop reasons."""
-    prompts = mixed_prompts(9, vocab=500)
+    prompts = mixed_prompts(9, vocab=500, longest=80)
     free = rj.generate(tiny, prompts, 20).tokens
     stops = [free[0][3], free[4][9]]
     out = rj.generate(tiny, prompts, 20, slots=3, stop_token_ids=stops, rounds_per_call=7)
