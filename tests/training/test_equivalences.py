@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import retrace_jax as rj
+from retrace_jax.training.dflash_loss import features_fn
 from retrace_jax.training.step import StepOptions, adamw, init_opt_state, make_train_step
 
 BLOCK = 4
@@ -104,6 +105,6 @@ def test_precomputed_features_equal_live_features(target, batch):
     training that computes them inside the step."""
     tokens, _ = batch
     layer_ids = rj.init_drafter(target.cfg, mask_token_id=127, num_layers=1, block_size=BLOCK).cfg.target_layer_ids
-    features = target(tokens, target.init_cache(tokens.shape[0], SEQ), feature_layers=layer_ids).features
+    features = features_fn(target, layer_ids)(tokens)  # as the feature store computes them: one jitted program
     opts = StepOptions(num_anchors=ALL_ANCHORS)
     assert_same_training(train(target, batch, opts, 4), train(target, batch, opts, 4, features=features), atol=1e-5)
