@@ -110,7 +110,8 @@ def main(argv=None):
     if len(dev) != 1:
         raise SystemExit(f"expected one dev-*.npz in {args.sets}, found {len(dev)}")
     with np.load(dev[0]) as z:
-        tokens, mask = z["tokens"][: args.sequences], z["loss_mask"][: args.sequences]
+        all_tokens, mask = z["tokens"], z["loss_mask"][: args.sequences]
+    tokens, dev_digest = all_tokens[: args.sequences], _digest(all_tokens.tolist())  # the digest names its features
     target_path = os.path.abspath(os.path.expanduser(args.target))
     target = rj.load_target(target_path)
     anchors, valid = acceptance_anchors(mask, args.block_size, args.anchors)
@@ -121,9 +122,8 @@ def main(argv=None):
         name, _, path = spec.partition("=")
         drafter = rj.load_drafter(os.path.expanduser(path), target)
         layers = list(drafter.cfg.target_layer_ids)
-        with np.load(dev[0]) as z:  # the features recipe_probe keeps for the whole dev set (made if missing)
-            key = {"target": target_path, "set": _digest(z["tokens"].tolist()), "layers": layers}
-            features = features_of(target, z["tokens"], layers, args.sets, key)[: args.sequences]
+        key = {"target": target_path, "set": dev_digest, "layers": layers}  # as recipe_probe keeps them
+        features = features_of(target, all_tokens, layers, args.sets, key)[: args.sequences]
         blocks = build_blocks(jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(anchors), jnp.asarray(valid),
                               args.block_size, drafter.cfg.mask_token_id, 1.0)
         with kept_attention() as kept:
