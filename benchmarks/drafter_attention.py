@@ -117,7 +117,8 @@ def main(argv=None):
     anchors, valid = acceptance_anchors(mask, args.block_size, args.anchors)
     result = {"target": args.target, "sets": args.sets, "dev": os.path.basename(dev[0]), "sequences": len(tokens),
               "anchors": args.anchors, "block_size": args.block_size, "drafters": {}}
-    print("| drafter | layer | slot | on p-1 | on slot 0 | on the context | entropy / max |\n|---|---|---|---|---|---|---|")
+    print("| drafter | layer | slot | on p-1 | on slot 0 | on the context | entropy / max |")
+    print("|---|---|---|---|---|---|---|")
     for spec in args.drafter:
         name, _, path = spec.partition("=")
         drafter = rj.load_drafter(os.path.expanduser(path), target)
