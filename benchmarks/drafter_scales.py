@@ -31,6 +31,7 @@ Every number comes from the weights, stored features and data; nothing is traine
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -87,7 +88,7 @@ def data_floor(sequences) -> dict:
     keys, bigram = np.unique(pairs, axis=0, return_counts=True)
     best = np.zeros(int(keys[:, 0].max()) + 1, np.int64)
     np.maximum.at(best, keys[:, 0], bigram)
-    return {"labels": int(len(pairs)), "unigram entropy (nats)": round(float(-(freq * np.log(freq)).sum()), 3),
+    return {"labels": len(pairs), "unigram entropy (nats)": round(float(-(freq * np.log(freq)).sum()), 3),
             "most frequent token's share": round(float(freq.max()), 3),
             "first slot right by the data's own bigram table": round(float(best.sum() / len(pairs)), 3)}
 
@@ -137,7 +138,7 @@ def main(argv=None):
         for path in sorted(glob.glob(os.path.join(args.data, "shard_*.npz"))):
             with np.load(path) as shard:
                 tokens, mask, offsets = shard["tokens"], shard["loss_mask"], shard["offsets"]
-            sequences += [(tokens[a:b], mask[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
+            sequences += [(tokens[a:b], mask[a:b]) for a, b in itertools.pairwise(offsets)]
         result.update({f"data: {k}": v for k, v in data_floor(sequences).items()})
     report(result, args.out)
 
