@@ -9,7 +9,6 @@ process runs this same loop (one command on every host).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -25,7 +24,7 @@ from flax import nnx
 
 from retrace_jax.errors import CheckpointError, ConfigError
 from retrace_jax.io.checkpoints import load_drafter
-from retrace_jax.models.draft_vocab import coverage, frequent_tokens, token_counts
+from retrace_jax.models.draft_vocab import coverage, frequent_tokens, token_counts, vocab_digest
 from retrace_jax.models.drafter import (
     check_drafter_matches,
     init_around_layers,
@@ -184,8 +183,7 @@ def run_settings(cfg: TrainConfig, drafter, num_sequences: int) -> dict:
         "num_sequences": num_sequences,
         # A draft vocabulary by its digest (None: the whole vocabulary). A checkpoint whose settings lack
         # a key is not compared on it (settings_differences).
-        "draft_vocab": None if vocab is None else hashlib.sha256(
-            np.asarray(jax.device_get(vocab.get_value()), np.int32).tobytes()).hexdigest()[:16],
+        "draft_vocab": None if vocab is None else vocab_digest(jax.device_get(vocab.get_value())),
     }
 
 
