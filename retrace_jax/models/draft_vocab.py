@@ -101,6 +101,13 @@ def vocab_head(target, ids_u) -> DraftHead:
     return DraftHead(jnp.take(target.head_weight(), ids_u, axis=0).T, ids_u)
 
 
+def draft_vocab_ids(drafter) -> np.ndarray | None:
+    """The drafter's draft vocabulary as host token ids ``[U]``, or None when it drafts over the whole
+    vocabulary."""
+    vocab = getattr(drafter, "draft_vocab", None)
+    return None if vocab is None else np.asarray(jax.device_get(vocab.get_value()), np.int32)
+
+
 def vocab_digest(ids_u) -> str:
     """A short digest of a draft vocabulary's token ids, which names it in run settings and store keys."""
     return hashlib.sha256(np.asarray(ids_u, np.int32).tobytes()).hexdigest()[:16]
