@@ -131,6 +131,10 @@ def target_features(target: TargetModel, tokens_bs, layer_ids):
     return target_forward(target, tokens_bs, layer_ids)[1]
 
 
+# The most teacher logits (:func:`teacher_top_k`) held at once: 2^24 float32 values, 64 MiB.
+TEACHER_LOGITS = 1 << 24
+
+
 class TeacherTopK(NamedTuple):
     """``train.distill_topk``'s soft labels (:func:`teacher_top_k`)."""
 
@@ -142,9 +146,19 @@ def teacher_top_k(target: TargetModel, head: DraftHead | None, hidden, k: int) -
     """The target's ``k`` most likely next tokens after the final-norm states ``hidden [..., d]`` among the
     head vocabulary of ``head`` (:func:`~retrace_jax.models.draft_vocab.draft_head`; None: the whole
     vocabulary), and their probabilities renormalised over the ``k`` (a softmax of those logits alone: the
-    vocabulary's normaliser is never computed). The LM head runs over the head vocabulary only."""
-    values, ids = largest_k(head_logits(target, head, jax.lax.stop_gradient(hidden)).astype(jnp.float32), k)
-    return TeacherTopK(ids, jax.nn.softmax(values, -1))
+    vocabulary's normaliser is never computed). The LM head runs over the head vocabulary only, over at
+    most :data:`TEACHER_LOGITS` logits at a time (positions in sequence, ``lax.map``): a store pass over
+    8 x 576 positions of the whole 151,936-token vocabulary would otherwise hold 2.8 GB of logits."""
+    lead, d = hidden.shape[:-1], hidden.shape[-1]
+    vocab = target.cfg.vocab_size if head is None else head.weight_du.shape[-1]
+    flat = jax.lax.stop_gradient(hidden).reshape(-1, d)
+
+    def top(h_nd):
+        return largest_k(head_logits(target, head, h_nd).astype(jnp.float32), k)
+
+    chunk = max(1, TEACHER_LOGITS // vocab)
+    values, ids = top(flat) if flat.shape[0] <= chunk else jax.lax.map(top, flat, batch_size=chunk)
+    return TeacherTopK(ids.reshape(*lead, k), jax.nn.softmax(values, -1).reshape(*lead, k))
 
 
 def before_labels(x_bs, positions_baw):

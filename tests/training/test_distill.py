@@ -92,6 +92,23 @@ def test_the_soft_loss_is_the_cross_entropy_against_the_renormalised_top_k(qwen3
     np.testing.assert_allclose(float(got.loss), want, rtol=1e-5)
 
 
+@pytest.mark.parametrize("vocab", ["draft", "whole"])
+def test_the_teacher_logits_taken_a_few_positions_at_a_time_give_the_same_top_k(qwen3, monkeypatch, vocab):
+    """:data:`TEACHER_LOGITS` bounds the logits held at once; positions in chunks (a remainder included)
+    give what one pass gives."""
+    import retrace_jax.training.dflash_loss as dl
+
+    head = vocab_head(qwen3, jnp.asarray(DRAFT_IDS)) if vocab == "draft" else None
+    width = len(DRAFT_IDS) if vocab == "draft" else qwen3.cfg.vocab_size
+    hidden = jnp.asarray(np.random.RandomState(2).randn(2, 7, qwen3.cfg.hidden_size).astype(np.float32))
+    whole = teacher_top_k(qwen3, head, hidden, 4)
+    monkeypatch.setattr(dl, "TEACHER_LOGITS", 3 * width)  # 3 positions at a time: 14 = 4 x 3 + 2
+    chunked = teacher_top_k(qwen3, head, hidden, 4)
+    assert chunked.ids.shape == whole.ids.shape == (2, 7, 4)
+    np.testing.assert_array_equal(chunked.ids, whole.ids)
+    np.testing.assert_allclose(chunked.probs, whole.probs, rtol=1e-6)
+
+
 def test_with_the_whole_head_vocabulary_the_target_distribution_minimises_the_soft_loss():
     rng = np.random.RandomState(2)
     target_logits = jnp.asarray(rng.randn(2, 3, 4, 10) * 2, jnp.float32)
