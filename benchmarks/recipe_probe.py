@@ -275,6 +275,7 @@ def memorize(args) -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
+    from retrace_jax.models.draft_vocab import draft_vocab_ids
     from retrace_jax.training import loop
     from retrace_jax.training.config import load_config
     from retrace_jax.training.evaluate import cached_features
@@ -291,9 +292,10 @@ def memorize(args) -> dict:
     tokens, mask, _ = data.rows(idx, None)
     batch = [jnp.asarray(tokens), jnp.asarray(mask)]
     if t.feature_cache:
-        store = cached_features(setup.target, setup.drafter.cfg.target_layer_ids, data, t.batch_size, events.append,
-                                cfg.data_dir, cfg.target, precision=cfg.target_precision)
-        batch.append(jnp.asarray(store.get(idx, None)))
+        stores = cached_features(setup.target, setup.drafter.cfg.target_layer_ids, data, t.batch_size,
+                                 events.append, cfg.data_dir, cfg.target, precision=cfg.target_precision,
+                                 top_k=t.distill_topk, head_ids=draft_vocab_ids(setup.drafter))
+        batch += [jnp.asarray(x) for store in stores for x in store.get_all(idx, None)]
     optimizer, drafter_def, drafter_state, fixed, opt_state = loop._trainable(cfg, setup.drafter, None)
     target_def, target_state = nnx.split(setup.target)
     step_fn = make_train_step(target_def, drafter_def, optimizer, loop.step_options(cfg),

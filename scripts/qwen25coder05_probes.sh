@@ -42,6 +42,7 @@ PROBES=(
     "layers3 drafter.num_layers=3 drafter.init_layers=[21,22,23]"
     "wide drafter.intermediate_size=4864"
     "bf16 train.precision=bfloat16"
+    "distill8 train.distill_topk=8"
 )
 for line in "${PROBES[@]}"; do
     read -r name overrides <<< "$line"

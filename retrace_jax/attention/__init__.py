@@ -15,6 +15,7 @@ Shape letters used across the library:
     Q  prompts queued for a stream     Y  prompts a stream's call harvests (``decoding/stream.py``)
     M  query rows of one KV head in a decode kernel (M = T * G)
     X  splits of a row's filled slots in the flash-decoding kernel (``split_decode.py``)
+    Z  entries of a top-k: the target's top tokens that ``train.distill_topk`` trains on (``dflash_loss.py``)
 
 Capital ``D`` is a head's width and lowercase ``d`` the model's (``x_btd``, ``q_bthd``). Every other
 letter has one meaning; a new shape letter joins this table before it is used.

@@ -21,12 +21,14 @@ Shape letters as in ``retrace_jax/attention/``; ``U`` is the draft vocabulary (`
 
 from __future__ import annotations
 
+import hashlib
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
 from retrace_jax.models.layers import products
 
 FILE = "draft_vocab.safetensors"
@@ -91,10 +93,24 @@ class DraftHead(NamedTuple):
 def draft_head(target, drafter) -> DraftHead | None:
     """The drafter's head over its draft vocabulary, or None when it drafts over the whole vocabulary."""
     vocab = getattr(drafter, "draft_vocab", None)
-    if vocab is None:
-        return None
-    ids = vocab.get_value()
-    return DraftHead(jnp.take(target.head_weight(), ids, axis=0).T, ids)
+    return None if vocab is None else vocab_head(target, vocab.get_value())
+
+
+def vocab_head(target, ids_u) -> DraftHead:
+    """The head over the draft vocabulary of token ids ``ids_u`` (ascending): those rows of the target's."""
+    return DraftHead(jnp.take(target.head_weight(), ids_u, axis=0).T, ids_u)
+
+
+def draft_vocab_ids(drafter) -> np.ndarray | None:
+    """The drafter's draft vocabulary as host token ids ``[U]``, or None when it drafts over the whole
+    vocabulary."""
+    vocab = getattr(drafter, "draft_vocab", None)
+    return None if vocab is None else np.asarray(jax.device_get(vocab.get_value()), np.int32)
+
+
+def vocab_digest(ids_u) -> str:
+    """A short digest of a draft vocabulary's token ids, which names it in run settings and store keys."""
+    return hashlib.sha256(np.asarray(ids_u, np.int32).tobytes()).hexdigest()[:16]
 
 
 def head_logits(target, head: DraftHead | None, hidden_btd):

@@ -251,6 +251,13 @@ class TrainSection(Section):
         "rule), uniform, reach (the drafter's probability of getting slots 1..k-1 all right: the first error gets "
         "the weight) or expected_length (the gradient of the log expected accepted length, D-PACE's direction); "
         "the last two from the drafter's own label probabilities, without gradient", "gamma")
+    distill_topk: NonNegativeInt = doc(
+        "DFlash: > 0 trains each drafted slot on the target's next-token distribution as well (soft labels): its "
+        "top distill_topk tokens over the drafter's head vocabulary (the draft vocabulary, or the whole), "
+        "renormalised, from the target pass that gives the features (with feature_cache: computed once into a "
+        "store of its own beside the features); 0: the hard labels alone", 0)
+    distill_weight: NonNegativeFloat = doc("with distill_topk: a slot's loss is (1 - distill_weight) * hard + "
+                                           "distill_weight * soft cross-entropy", 1.0, le=1)
     rounds: Int = doc("ReTrace: rounds of the on-policy rollout per anchor (>= 2): round 1 drafts without memory, "
                       "each later round re-anchors where the previous one's acceptance leaves it, with that round's "
                       "rejected suffix as its memory, as at inference", 4, ge=2)
@@ -343,6 +350,12 @@ class TrainConfig(Section):
                        f"{self.target_dtype} target computes in {self.target_dtype} (target_dtype)")
         if t.slot_weights != "gamma" and t.objective != "dflash":
             out.append(f"train.slot_weights: {t.slot_weights} serves the dflash objective only")
+        if t.distill_topk and t.objective != "dflash":
+            out.append("train.distill_topk: serves the dflash objective only")
+        if not dr.init:  # the target's vocabulary, and a checkpoint's draft vocabulary: preflight checks them
+            out += head_room(t.distill_topk, dr.draft_vocab, None, "drafter.draft_vocab")
+        if t.distill_weight != 1.0 and not t.distill_topk:
+            out.append("train.distill_weight: mixes in the soft loss of train.distill_topk; set distill_topk")
         if t.feature_cache and t.objective == "retrace":
             out.append("train.feature_cache: serves the dflash objective only (ReTrace runs the target on drafts)")
         if not dr.init and t.seq_len < dr.block_size + 1:
@@ -377,6 +390,18 @@ def anchor_room(num_anchors: int, seq_len: int, block_size: int, block_key: str)
         return []
     return [f"train.num_anchors: {num_anchors} exceeds the {max(room, 0)} anchor positions of a {seq_len}-token "
             f"sequence (train.seq_len) with block size {block_size} ({block_key})"]
+
+
+def head_room(distill_topk: int, draft_vocab: int | None, vocab_size: int | None, vocab_key: str) -> list[str]:
+    """The problem (a list of at most one) when ``train.distill_topk`` exceeds the drafter's head vocabulary:
+    its draft vocabulary of ``draft_vocab`` tokens, or without one the target's ``vocab_size`` (None: not
+    known yet); ``vocab_key`` says where the draft vocabulary comes from."""
+    size = vocab_size if draft_vocab is None else draft_vocab
+    if size is None or distill_topk <= size:
+        return []
+    where = (f"the target's vocabulary ({size} tokens)" if draft_vocab is None else
+             f"the draft vocabulary ({size} tokens, {vocab_key})")
+    return [f"train.distill_topk: {distill_topk} exceeds {where}, the drafter's head vocabulary"]
 
 
 SECTIONS = {"data": DataConfig, "drafter": DrafterSection, "retrace": RetraceSection, "train": TrainSection}

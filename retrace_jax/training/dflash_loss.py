@@ -4,6 +4,10 @@ Block ``i`` is ``[x[anchor_i], MASK, ...]`` at positions ``anchor_i + 0..W-1``. 
 features of positions strictly before its anchor and its own block (bidirectionally), never another
 block. Slot ``k`` is labelled ``x[anchor_i + k]``; loss weights ``exp(-(k-1)/gamma)`` times the loss mask
 (the published rule), or one of the other :data:`SLOT_WEIGHTS` rules (:func:`adaptive_weights`).
+
+With ``train.distill_topk`` (k > 0) a slot's label is soft as well: the target's next-token distribution
+at the position before it (the one that predicted ``x[anchor_i + k]``), over the drafter's head vocabulary,
+cut to its top k and renormalised (:func:`teacher_top_k`). Shape letter ``Z``: the k entries.
 """
 
 from __future__ import annotations
@@ -17,7 +21,15 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from retrace_jax.models.draft_vocab import DraftHead, draft_head, head_logits, to_draft_index, to_target_ids
+from retrace_jax.decoding.sampling import largest_k
+from retrace_jax.models.draft_vocab import (
+    DraftHead,
+    draft_head,
+    head_logits,
+    to_draft_index,
+    to_target_ids,
+    vocab_head,
+)
 from retrace_jax.models.drafter import DFlashDrafter
 from retrace_jax.models.target import TargetModel
 
@@ -106,18 +118,76 @@ def batch_sharded(x):
     return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
 
 
-def target_features(target: TargetModel, tokens_bs, layer_ids):
-    """The frozen target's features of every position (no gradient)."""
+def target_forward(target: TargetModel, tokens_bs, layer_ids):
+    """The frozen target's final-norm states ``[B, S, d]`` and features ``[B, S, F]`` of every position (no
+    gradient)."""
     b, s = tokens_bs.shape
     out = target(tokens_bs, target.init_cache(b, s), feature_layers=tuple(layer_ids))
-    return batch_sharded(jax.lax.stop_gradient(out.features))
+    return jax.lax.stop_gradient(out.hidden), batch_sharded(jax.lax.stop_gradient(out.features))
 
 
-def features_fn(target: TargetModel, layer_ids):
+def target_features(target: TargetModel, tokens_bs, layer_ids):
+    """The frozen target's features of every position (no gradient)."""
+    return target_forward(target, tokens_bs, layer_ids)[1]
+
+
+# The most teacher logits (:func:`teacher_top_k`) held at once: 2^24 float32 values, 64 MiB.
+TEACHER_LOGITS = 1 << 24
+
+
+class TeacherTopK(NamedTuple):
+    """``train.distill_topk``'s soft labels (:func:`teacher_top_k`)."""
+
+    ids: jax.Array  # [..., Z] int32: head-vocabulary indices (draft-vocabulary ones, or token ids without one)
+    probs: jax.Array  # [..., Z] float32: their probabilities, renormalised over the Z
+
+
+def teacher_top_k(target: TargetModel, head: DraftHead | None, hidden, k: int) -> TeacherTopK:
+    """The target's ``k`` most likely next tokens after the final-norm states ``hidden [..., d]`` among the
+    head vocabulary of ``head`` (:func:`~retrace_jax.models.draft_vocab.draft_head`; None: the whole
+    vocabulary), and their probabilities renormalised over the ``k`` (a softmax of those logits alone: the
+    vocabulary's normaliser is never computed). The LM head runs over the head vocabulary only, over at
+    most :data:`TEACHER_LOGITS` logits at a time (positions in sequence, ``lax.map``): a store pass over
+    8 x 576 positions of the whole 151,936-token vocabulary would otherwise hold 2.8 GB of logits."""
+    lead, d = hidden.shape[:-1], hidden.shape[-1]
+    vocab = target.cfg.vocab_size if head is None else head.weight_du.shape[-1]
+    flat = jax.lax.stop_gradient(hidden).reshape(-1, d)
+
+    def top(h_nd):
+        return largest_k(head_logits(target, head, h_nd).astype(jnp.float32), k)
+
+    chunk = max(1, TEACHER_LOGITS // vocab)
+    values, ids = top(flat) if flat.shape[0] <= chunk else jax.lax.map(top, flat, batch_size=chunk)
+    return TeacherTopK(ids.reshape(*lead, k), jax.nn.softmax(values, -1).reshape(*lead, k))
+
+
+def before_labels(x_bs, positions_baw):
+    """``x [B, S, ...]`` at the position before each drafted slot's label, ``[B, A, J, ...]``: slot ``k``
+    (label ``x[anchor + k]``) takes position ``anchor + k - 1``, whose target state predicted its label
+    (clipped to the sequence; a slot past its end has no weight)."""
+    b, a, w = positions_baw.shape
+    idx = jnp.minimum(positions_baw[:, :, :-1], x_bs.shape[1] - 1).reshape(b, -1)
+    idx = idx.reshape(idx.shape + (1,) * (x_bs.ndim - 2))
+    return jnp.take_along_axis(x_bs, idx, axis=1).reshape(b, a, w - 1, *x_bs.shape[2:])
+
+
+def features_fn(target: TargetModel, layer_ids, top_k: int = 0, head_ids=None):
     """A jitted ``tokens [B, S] -> features [B, S, F]`` of the frozen ``target`` (:func:`target_features`),
-    its weights an argument of the program rather than constants compiled into it."""
+    its weights an argument of the program rather than constants compiled into it. With ``top_k``
+    (``train.distill_topk``) the same pass gives the target's :func:`teacher_top_k` at every position too:
+    ``(features, ids [B, S, Z], probs [B, S, Z])``, over the head vocabulary of the token ids ``head_ids``
+    (a draft vocabulary's; None: the whole vocabulary)."""
     graphdef, state = nnx.split(target)
-    fn = jax.jit(lambda st, tokens: target_features(nnx.merge(graphdef, st), tokens, tuple(layer_ids)))
+
+    def run(st, tokens_bs):
+        model = nnx.merge(graphdef, st)
+        if not top_k:
+            return target_features(model, tokens_bs, layer_ids)
+        hidden, features = target_forward(model, tokens_bs, layer_ids)
+        head = None if head_ids is None else vocab_head(model, jnp.asarray(head_ids, jnp.int32))
+        return features, *teacher_top_k(model, head, hidden, top_k)
+
+    fn = jax.jit(run)
     return lambda tokens_bs: fn(state, tokens_bs)
 
 
@@ -173,17 +243,24 @@ def adaptive_weights(ce_baj, counted_baj, rule: str):
     raise ValueError(f"adaptive slot weights are 'reach' or 'expected_length', got {rule!r}")
 
 
-def slot_loss(logits_bajv, labels_baj, weights_baj, slot_weights: str = "gamma") -> LossMetrics:
+def slot_loss(logits_bajv, labels_baj, weights_baj, slot_weights: str = "gamma", teacher: TeacherTopK | None = None,
+              distill_weight: float = 1.0) -> LossMetrics:
     """Loss and metrics of the drafted slots ``1..W-1`` of each block (``J = W - 1``; the given slot 0
     has no loss). A label ``-1`` is a token outside the draft vocabulary: its slot counts as wrong and
     adds no loss (no logit can score it). ``slot_weights`` "reach" or "expected_length" replace the given
-    weights where they are positive by :func:`adaptive_weights`."""
+    weights where they are positive by :func:`adaptive_weights`. ``teacher`` (``[B, A, J, Z]``,
+    ``train.distill_topk``): a slot's loss becomes ``(1 - distill_weight) * hard + distill_weight * soft``,
+    ``soft = -sum_i p_i log q(i)`` the cross-entropy of the drafter's ``q`` against the teacher's ``p``. The
+    slots that count, their weights and the metrics stay those of the hard labels."""
     learnable = labels_baj >= 0
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits_bajv.astype(jnp.float32),
-                                                         jnp.maximum(labels_baj, 0))
+    logits = logits_bajv.astype(jnp.float32)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels_baj, 0))
     w = weights_baj
     if slot_weights in ("reach", "expected_length"):
         w = adaptive_weights(ce, (weights_baj > 0) & learnable, slot_weights)
+    if teacher is not None:
+        soft = -jnp.sum(teacher.probs * jnp.take_along_axis(jax.nn.log_softmax(logits), teacher.ids, -1), -1)
+        ce = (1 - distill_weight) * ce + distill_weight * soft
     loss = jnp.sum(ce * w * learnable) / jnp.maximum(jnp.sum(w * learnable), 1e-6)
     counted = w > 0
     correct = (jnp.argmax(logits_bajv, -1) == labels_baj) & counted
@@ -201,33 +278,48 @@ def block_loss(logits_bawv, blocks: BlockBatch) -> LossMetrics:
 
 
 def score_blocks(target: TargetModel, head: DraftHead | None, hidden_bawd, blocks: BlockBatch, mix=None,
-                 slot_weights: str = "gamma"):
+                 slot_weights: str = "gamma", teacher: TeacherTopK | None = None, distill_weight: float = 1.0):
     """The loss metrics of drafted blocks and their proposals ``[B, A, J]`` (the argmax of each slot, as
     target token ids). The LM head runs on the drafted slots only, over the draft vocabulary of ``head``
     (:func:`~retrace_jax.models.draft_vocab.draft_head`; None: the whole vocabulary). ``mix(logits,
-    hidden)`` (ReTrace's output mixture) turns the slots' logits into the log-probabilities they draft from."""
+    hidden)`` (ReTrace's output mixture) turns the slots' logits into the log-probabilities they draft from.
+    ``teacher``, ``distill_weight``: the soft labels of the drafted slots (:func:`slot_loss`)."""
     logits = batch_sharded(head_logits(target, head, hidden_bawd[:, :, 1:]))
     if mix is not None:
         logits = batch_sharded(mix(logits, hidden_bawd[:, :, 1:]))
     labels = to_draft_index(head, blocks.labels_baw[:, :, 1:], target.cfg.vocab_size)
-    metrics = slot_loss(logits, labels, blocks.weights_baw[:, :, 1:], slot_weights)
+    metrics = slot_loss(logits, labels, blocks.weights_baw[:, :, 1:], slot_weights, teacher, distill_weight)
     return metrics, to_target_ids(head, jnp.argmax(logits, -1).astype(jnp.int32))
 
 
 def dflash_loss(drafter: DFlashDrafter, target: TargetModel, tokens_bs, loss_mask_bs, anchors_ba, valid_ba,
                 gamma: float | None = None, remat: bool = False, features_bsf=None,
-                slot_weights: str = "gamma") -> LossMetrics:
+                slot_weights: str = "gamma", distill_topk: int = 0, distill_weight: float = 1.0,
+                teacher_bsz: TeacherTopK | None = None) -> LossMetrics:
     """The DFlash loss; the target features are computed here unless precomputed ones are given.
-    ``slot_weights``: one of :data:`SLOT_WEIGHTS` (``gamma`` applies only to "gamma")."""
+    ``slot_weights``: one of :data:`SLOT_WEIGHTS` (``gamma`` applies only to "gamma"). ``distill_topk``
+    (k > 0): the slots learn the target's top-k as well (:func:`slot_loss`, mixed in by ``distill_weight``),
+    taken from the same target pass as the features, or with precomputed features from ``teacher_bsz``, the
+    top-k of every position (:func:`features_fn`)."""
     cfg = drafter.cfg
     if slot_weights not in SLOT_WEIGHTS:
         raise ValueError(f"slot_weights must be one of {SLOT_WEIGHTS}, got {slot_weights!r}")
     gamma = default_gamma(cfg.block_size) if gamma is None else gamma
     gamma = gamma if slot_weights == "gamma" else float("inf")  # the others start from weight 1 everywhere
     blocks = build_blocks(tokens_bs, loss_mask_bs, anchors_ba, valid_ba, cfg.block_size, cfg.mask_token_id, gamma)
+    head, teacher = draft_head(target, drafter), None
     if features_bsf is None:
-        features = target_features(target, tokens_bs, cfg.target_layer_ids)
+        states, features = target_forward(target, tokens_bs, cfg.target_layer_ids)
+        if distill_topk:
+            teacher = teacher_top_k(target, head, before_labels(states, blocks.positions_baw), distill_topk)
     else:
         features = jax.lax.stop_gradient(features_bsf)
+        if distill_topk:
+            if teacher_bsz is None or teacher_bsz.ids.shape[-1] != distill_topk:
+                raise ValueError(f"distill_topk {distill_topk} with precomputed features needs the target's top "
+                                 f"{distill_topk} of every position (teacher_bsz)")
+            teacher = jax.tree.map(lambda x: before_labels(jax.lax.stop_gradient(x), blocks.positions_baw),
+                                   teacher_bsz)
     hidden = draft_blocks(drafter, target, sequence_context(drafter, features), blocks, remat=remat)
-    return score_blocks(target, draft_head(target, drafter), hidden, blocks, slot_weights=slot_weights)[0]
+    return score_blocks(target, head, hidden, blocks, slot_weights=slot_weights, teacher=teacher,
+                        distill_weight=distill_weight)[0]

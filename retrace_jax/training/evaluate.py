@@ -18,11 +18,12 @@ from retrace_jax.decoding.generation import generate
 from retrace_jax.errors import ConfigError
 from retrace_jax.io.atomic import write_error
 from retrace_jax.io.checkpoints import save_drafter
+from retrace_jax.models.draft_vocab import vocab_digest
 from retrace_jax.models.layers import bfloat16_kernels, product_precision
 from retrace_jax.parallel.distributed import barrier
 from retrace_jax.training.data import SequenceData
 from retrace_jax.training.dflash_loss import features_fn
-from retrace_jax.training.feature_store import FeatureStore, store_key
+from retrace_jax.training.feature_store import FeatureStore, build_stores, store_key, top_k_key
 
 
 def evaluate(target, drafter, eval_ids, max_new_tokens: int, mesh, step: int) -> dict:
@@ -67,26 +68,39 @@ FEATURE_CACHE_LIMIT = 16 << 30  # unused, still importable: the feature cache is
 
 
 def cached_features(target, layer_ids, data: SequenceData, batch_size: int, log, store_root: str,
-                    target_id: str = "", precision: str = "float32") -> FeatureStore:
+                    target_id: str = "", precision: str = "float32", top_k: int = 0,
+                    head_ids=None) -> list[FeatureStore]:
     """The frozen target's features of every sequence, computed once into a :class:`FeatureStore` under
     ``store_root`` (the prepared data's directory; one process) and reused by later runs. ``target_id``
     (the target's path) and ``precision`` (the products': ``"bfloat16"`` runs the pass with bfloat16
-    operands, as ``train.target_precision`` asks) are part of the store's key."""
-    width = len(layer_ids) * target.cfg.hidden_size
+    operands, as ``train.target_precision`` asks) are part of the store's key. With ``top_k``
+    (``train.distill_topk``) a second store holds the target's top-k of every position over the head
+    vocabulary of the token ids ``head_ids`` (None: the whole vocabulary), ``ids`` and ``probs``
+    (:func:`~retrace_jax.training.dflash_loss.teacher_top_k`), keyed by that vocabulary and ``top_k`` too;
+    one target pass fills whichever of the two is unfinished. Returns the stores: the features, then the
+    top-k."""
+    lengths = [len(t) for t in data.tokens]
     key = store_key(target_id, layer_ids, data.seq_len, target.dtype, len(data), precision)
-    store = FeatureStore(store_root, key, [len(t) for t in data.tokens], width)
-    if store.done < len(data):
-        free = shutil.disk_usage(store_root).free
-        if not os.path.exists(store.dir) and store.nbytes > free:
-            raise ConfigError(f"train.feature_cache needs {store.nbytes / 2**30:.1f} GiB in {store_root}, "
-                                     f"which has {free / 2**30:.1f} GiB free; compute features online instead")
-    fn = features_fn(bfloat16_kernels(target) if precision == "bfloat16" else target, layer_ids)
+    stores = [FeatureStore(store_root, key, lengths, len(layer_ids) * target.cfg.hidden_size)]
+    if top_k:
+        vocab = None if head_ids is None else vocab_digest(head_ids)
+        key = top_k_key(target_id, data.seq_len, target.dtype, len(data), precision, vocab, top_k)
+        stores.append(FeatureStore(store_root, key, lengths, arrays={"ids": (top_k, np.int32),
+                                                                     "probs": (top_k, np.float32)}, kind="topk"))
+    free = shutil.disk_usage(store_root).free
+    need = sum(store.nbytes for store in stores if store.done < len(data) and not os.path.exists(store.dir))
+    if need > free:
+        raise ConfigError(f"train.feature_cache needs {need / 2**30:.1f} GiB in {store_root}, which has "
+                          f"{free / 2**30:.1f} GiB free; compute features online instead")
+    fn = features_fn(bfloat16_kernels(target) if precision == "bfloat16" else target, layer_ids, top_k, head_ids)
 
-    def features_of(tokens):
+    def values_of(tokens):
         with product_precision(precision):
-            return jax.device_get(fn(tokens))
+            out = jax.device_get(fn(tokens))
+        return (out[0], tuple(out[1:])) if top_k else (out,)
 
-    return store.build(features_of, lambda idx: data.rows(idx)[0], batch_size, log)
+    build_stores(stores, values_of, lambda idx: data.rows(idx)[0], batch_size, log)
+    return stores
 
 
 class MetricsLog:

@@ -12,6 +12,12 @@ The sequences are computed in order of length, each batch only as wide as its lo
 (a prompt bucket, at most ``seq_len``): a causal model's features at a position do not depend on what
 follows it, and a store of short sequences under a long ``seq_len`` would otherwise compute mostly
 padding.
+
+A store holds one or more named arrays of the same positions, one file each: the features
+(``features-*/features.npy``), or ``train.distill_topk``'s top-k of the target's next-token distribution
+(``topk-*/ids.npy`` and ``probs.npy``, :func:`top_k_key`), in a store of their own so that a feature store
+stays valid whether a run distils or not. Stores of the same sequences that one target pass fills are
+filled together (:func:`build_stores`).
 """
 
 from __future__ import annotations
@@ -24,7 +30,6 @@ import time
 import numpy as np
 
 META = "meta.json"
-ARRAY = "features.npy"
 
 
 def store_key(target_path: str, layer_ids, seq_len: int, dtype, num_sequences: int,
@@ -36,21 +41,35 @@ def store_key(target_path: str, layer_ids, seq_len: int, dtype, num_sequences: i
     return key if precision == "float32" else {**key, "precision": precision}
 
 
-class FeatureStore:
-    """Features ``[total, width]`` of the sequences of ``lengths`` (each cut to ``seq_len``), in
-    ``{root}/features-{hash of key}/``. ``store[idx]`` gives ``[len(idx), seq_len, width]`` (zero past
-    each sequence's end, which no block sees)."""
+def top_k_key(target_path: str, seq_len: int, dtype, num_sequences: int, precision: str, vocab: str | None,
+              k: int) -> dict:
+    """What decides a top-k store's values: a feature store's key without the layers, the head vocabulary
+    (``vocab``: a draft vocabulary's digest, :func:`~retrace_jax.models.draft_vocab.vocab_digest`; None: the
+    whole vocabulary) and ``k``."""
+    key = store_key(target_path, (), seq_len, dtype, num_sequences, precision)
+    del key["layer_ids"]
+    return {**key, "vocab": vocab, "top_k": int(k)}
 
-    def __init__(self, root: str, key: dict, lengths, width: int):
-        self.key, self.width = key, int(width)
+
+class FeatureStore:
+    """Arrays ``[total, width]`` of the positions of the sequences of ``lengths`` (each cut to ``seq_len``),
+    in ``{root}/{kind}-{hash of key}/``: ``arrays`` maps each array's name (its file ``NAME.npy``) to its
+    ``(width, dtype)``; by default one, ``features``, ``width`` wide in the key's dtype. ``store[idx]`` gives
+    ``[len(idx), seq_len, width]`` (zero past each sequence's end, which no block sees), or with several
+    arrays a tuple of them in the order of ``arrays``."""
+
+    def __init__(self, root: str, key: dict, lengths, width: int | None = None, arrays: dict | None = None,
+                 kind: str = "features"):
+        self.key = key
+        arrays = {"features": (width, key["dtype"])} if arrays is None else arrays
+        self.arrays = {name: (int(w), np.dtype(dtype)) for name, (w, dtype) in arrays.items()}
         self.seq_len = key["seq_len"]
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-        self.dir = os.path.join(root, f"features-{digest}")
+        self.dir = os.path.join(root, f"{kind}-{digest}")
         self.lengths = np.minimum(np.asarray(lengths, np.int64), self.seq_len)
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
-        self.dtype = np.dtype(key["dtype"])
-        self.nbytes = int(self.offsets[-1]) * self.width * self.dtype.itemsize
-        self._array = None
+        self.nbytes = int(self.offsets[-1]) * sum(w * dtype.itemsize for w, dtype in self.arrays.values())
+        self._read = None
         self._order_name = "length"
 
     def _meta(self) -> dict | None:
@@ -61,10 +80,12 @@ class FeatureStore:
             return json.load(f)
 
     def _write_meta(self, done: int) -> None:
+        widths = {name: w for name, (w, _) in self.arrays.items()}
+        shape = {"width": widths["features"]} if list(widths) == ["features"] else {"widths": widths}
         tmp = os.path.join(self.dir, META + ".tmp")
         with open(tmp, "w") as f:
-            json.dump({**self.key, "width": self.width, "total": int(self.offsets[-1]), "done": done,
-                       "order": self._order_name}, f)
+            json.dump({**self.key, **shape, "total": int(self.offsets[-1]), "done": done, "order": self._order_name},
+                      f)
         os.replace(tmp, os.path.join(self.dir, META))
 
     @property
@@ -80,61 +101,104 @@ class FeatureStore:
             return np.arange(len(self.lengths))
         return np.argsort(self.lengths, kind="stable")
 
-    def build(self, features_of, rows_of, batch_size: int, log=None) -> "FeatureStore":
-        """Fills the store: ``rows_of(idx)`` gives ``tokens [len(idx), seq_len]`` and ``features_of(tokens)``
-        the features ``[batch_size, T, width]`` of a padded batch of ``T <= seq_len`` tokens (``T`` is a
-        prompt bucket of the batch's longest sequence). Resumes after the last finished batch; logs a
-        ``feature_cache`` event."""
-        from retrace_jax.decoding.generation import prompt_bucket
-
+    def _open(self, order: np.ndarray | None = None) -> tuple[int, np.ndarray, list]:
+        """``(done, order, arrays)`` to go on filling the store: its files opened for writing (made, with a
+        meta of nothing done, when the store is new). ``order``: the order to fill a new store in (default:
+        by length)."""
         os.makedirs(self.dir, exist_ok=True)
-        path = os.path.join(self.dir, ARRAY)
-        shape = (int(self.offsets[-1]), self.width)
+        paths = [os.path.join(self.dir, f"{name}.npy") for name in self.arrays]
         meta = self._meta()
-        fresh = meta is None or not os.path.isfile(path)
-        order = self._order(None if fresh else meta)
+        fresh = meta is None or not all(os.path.isfile(p) for p in paths)
+        if not fresh:
+            order = self._order(meta)
+        elif order is None:
+            order = np.argsort(self.lengths, kind="stable")
         self._order_name = "length" if np.array_equal(order, np.argsort(self.lengths, kind="stable")) else "sequence"
-        if fresh:
-            array = np.lib.format.open_memmap(path, mode="w+", dtype=self.dtype, shape=shape)
-            self._write_meta(0)
-            done = 0
-        else:
+        arrays = []
+        for path, (width, dtype) in zip(paths, self.arrays.values()):
+            shape = (int(self.offsets[-1]), width)
+            if fresh:
+                arrays.append(np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape))
+                continue
             array = np.lib.format.open_memmap(path, mode="r+")
-            if array.shape != shape or array.dtype != self.dtype:
-                raise ValueError(f"{path} holds {array.shape} {array.dtype}, expected {shape} {self.dtype}")
-            done = int(meta["done"])
-        n = len(self.lengths)
-        start, first = time.perf_counter(), done
-        for i in range(done, n, batch_size):
-            idx = order[i : i + batch_size]
-            wide = min(self.seq_len, prompt_bucket(int(self.lengths[idx].max())))
-            tokens = np.zeros((batch_size, wide), np.int32)
-            tokens[: len(idx)] = rows_of(idx)[:, :wide]
-            feats = np.asarray(features_of(tokens))
-            for row, j in enumerate(idx):
-                array[self.offsets[j]:self.offsets[j + 1]] = feats[row, : self.lengths[j]]
-            array.flush()
-            self._write_meta(i + len(idx))
-        del array
-        if log is not None:
-            log({"event": "feature_cache", "sequences": n, "computed": n - first, "gib": round(self.nbytes / 2**30, 3),
-                 "seconds": round(time.perf_counter() - start, 1), "dir": self.dir})
+            if array.shape != shape or array.dtype != dtype:
+                raise ValueError(f"{path} holds {array.shape} {array.dtype}, expected {shape} {dtype}")
+            arrays.append(array)
+        if fresh:
+            self._write_meta(0)
+        return (0 if fresh else int(meta["done"])), order, arrays
+
+    def build(self, features_of, rows_of, batch_size: int, log=None) -> FeatureStore:
+        """Fills the store: ``rows_of(idx)`` gives ``tokens [len(idx), seq_len]`` and ``features_of(tokens)``
+        the values ``[batch_size, T, width]`` of a padded batch of ``T <= seq_len`` tokens (``T`` is a
+        prompt bucket of the batch's longest sequence; with several arrays, a tuple of them). Resumes
+        after the last finished batch; logs a ``feature_cache`` event."""
+        build_stores([self], lambda tokens: (features_of(tokens),), rows_of, batch_size, log)
         return self
 
-    def __getitem__(self, idx) -> np.ndarray:
+    def __getitem__(self, idx):
         return self.get(idx)
 
-    def get(self, idx, width: int | None = None) -> np.ndarray:
+    def get(self, idx, width: int | None = None):
         """``store[idx]``, ``[len(idx), width, F]`` (``width``: ``seq_len`` unless given; each sequence
-        cut to it)."""
-        if self._array is None:
+        cut to it), or a tuple of them (several arrays)."""
+        out = self.get_all(idx, width)
+        return out[0] if len(out) == 1 else out
+
+    def get_all(self, idx, width: int | None = None) -> tuple[np.ndarray, ...]:
+        """Every array of the store at ``idx`` (as :meth:`get` gives them), in the order of ``arrays``."""
+        if self._read is None:
             if self.done < len(self.lengths):
                 raise RuntimeError(f"feature store {self.dir} is not finished ({self.done} of {len(self.lengths)})")
-            self._array = np.load(os.path.join(self.dir, ARRAY), mmap_mode="r")
+            self._read = [np.load(os.path.join(self.dir, f"{name}.npy"), mmap_mode="r") for name in self.arrays]
         idx = np.asarray(idx)
         width = self.seq_len if width is None else width
-        out = np.zeros((len(idx), width, self.width), self.dtype)
-        for row, j in enumerate(idx):
-            n = min(int(self.lengths[j]), width)
-            out[row, :n] = self._array[self.offsets[j]:self.offsets[j] + n]
-        return out
+        out = []
+        for array in self._read:
+            values = np.zeros((len(idx), width, array.shape[1]), array.dtype)
+            for row, j in enumerate(idx):
+                n = min(int(self.lengths[j]), width)
+                values[row, :n] = array[self.offsets[j]:self.offsets[j] + n]
+            out.append(values)
+        return tuple(out)
+
+
+def build_stores(stores: list[FeatureStore], values_of, rows_of, batch_size: int, log=None) -> None:
+    """Fills ``stores`` (of the same sequences) in one pass: ``values_of(tokens)`` gives each store's values
+    of a padded batch (an array, or a tuple of them: :meth:`FeatureStore.build`), ``rows_of(idx)`` the
+    tokens. Each store resumes after its last finished batch: the pass starts at the least finished one
+    and writes a batch only to the stores that lack it. A new store is filled in the order of one that an
+    earlier release began in sequence order. Logs a ``feature_cache`` event per store."""
+    from retrace_jax.decoding.generation import prompt_bucket
+
+    n = len(stores[0].lengths)
+    done = [s.done for s in stores]
+    begun = [s for s, d in zip(stores, done) if 0 < d < n]
+    order = begun[0]._order(begun[0]._meta()) if begun else None
+    opened = {i: s._open(order) for i, (s, d) in enumerate(zip(stores, done)) if d < n}
+    orders = [o for _, o, _ in opened.values()]
+    if any(not np.array_equal(o, orders[0]) for o in orders):
+        raise ValueError(f"{', '.join(s.dir for s in begun)} were begun in different orders; delete all but one")
+    done = [opened[i][0] if i in opened else d for i, d in enumerate(done)]  # a store without files: none
+    lengths, start = stores[0].lengths, time.perf_counter()
+    for i in range(min(done), n, batch_size):
+        idx = orders[0][i : i + batch_size]
+        wide = min(stores[0].seq_len, prompt_bucket(int(lengths[idx].max())))
+        tokens = np.zeros((batch_size, wide), np.int32)
+        tokens[: len(idx)] = rows_of(idx)[:, :wide]
+        values = values_of(tokens)
+        for k, (first, _, arrays) in opened.items():
+            if i + len(idx) <= first:
+                continue
+            s, got = stores[k], values[k]
+            for array, batch in zip(arrays, got if isinstance(got, tuple) else (got,)):
+                batch = np.asarray(batch)
+                for row, j in enumerate(idx):
+                    array[s.offsets[j]:s.offsets[j + 1]] = batch[row, : s.lengths[j]]
+                array.flush()
+            s._write_meta(i + len(idx))
+    opened.clear()  # the files are written
+    if log is not None:
+        for s, d in zip(stores, done):
+            log({"event": "feature_cache", "sequences": n, "computed": n - d, "gib": round(s.nbytes / 2**30, 3),
+                 "seconds": round(time.perf_counter() - start, 1), "dir": s.dir})

@@ -9,7 +9,6 @@ process runs this same loop (one command on every host).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -25,7 +24,13 @@ from flax import nnx
 
 from retrace_jax.errors import CheckpointError, ConfigError
 from retrace_jax.io.checkpoints import load_drafter
-from retrace_jax.models.draft_vocab import coverage, frequent_tokens, token_counts
+from retrace_jax.models.draft_vocab import (
+    coverage,
+    draft_vocab_ids,
+    frequent_tokens,
+    token_counts,
+    vocab_digest,
+)
 from retrace_jax.models.drafter import (
     check_drafter_matches,
     init_around_layers,
@@ -38,7 +43,7 @@ from retrace_jax.parallel.distributed import agree_any, initialize
 from retrace_jax.parallel.placement import shard_model
 from retrace_jax.parallel.sharding import batch_sharding, make_mesh
 from retrace_jax.training.checkpoints import Checkpoints
-from retrace_jax.training.config import TrainConfig, anchor_room, as_config
+from retrace_jax.training.config import TrainConfig, anchor_room, as_config, head_room
 from retrace_jax.training.data import SequenceData, describe_differences, settings_differences, spread_indices
 from retrace_jax.training.evaluate import cached_features, evaluate, export_drafter
 from retrace_jax.training.lock import run_lock
@@ -117,6 +122,8 @@ def build_drafter(cfg, target, mesh, data: SequenceData | None = None, log=None)
     # load_config and preflight refuse this before any work; kept for a drafter built here otherwise
     room = anchor_room(t.num_anchors, t.seq_len, drafter.cfg.block_size,
                        f"drafter.init {dc.init}" if dc.init else "drafter.block_size")
+    room += head_room(t.distill_topk, drafter.cfg.draft_vocab_size, target.cfg.vocab_size,
+                      f"drafter.init {dc.init}" if dc.init else "drafter.draft_vocab")
     if room:
         raise ConfigError(room[0])
     return drafter
@@ -145,7 +152,8 @@ def step_options(cfg: TrainConfig) -> StepOptions:
                        compute_dtype=t.compute_dtype, precision=t.precision, remat=t.remat, grad_accum=t.grad_accum,
                        memory_dtype=t.memory_dtype, rounds=t.rounds,
                        round_weights=None if t.round_weights is None else tuple(t.round_weights),
-                       memory_dropout=t.memory_dropout, miss_weight=t.miss_weight, slot_weights=t.slot_weights)
+                       memory_dropout=t.memory_dropout, miss_weight=t.miss_weight, slot_weights=t.slot_weights,
+                       distill_topk=t.distill_topk, distill_weight=t.distill_weight)
 
 
 def optimizer_for(cfg: TrainConfig):
@@ -160,7 +168,7 @@ def run_settings(cfg: TrainConfig, drafter, num_sequences: int) -> dict:
     config."""
     t = cfg.train
     drafter_cfg = getattr(drafter, "cfg", drafter)
-    vocab = getattr(drafter, "draft_vocab", None)
+    vocab = draft_vocab_ids(drafter)
     weights, retrace = loss_weights(t.rounds, t.round_weights, t.round1_weight), t.objective == "retrace"
     return {
         "seed": t.seed, "objective": t.objective, "batch_size": t.batch_size, "seq_len": t.seq_len, "steps": t.steps,
@@ -173,6 +181,7 @@ def run_settings(cfg: TrainConfig, drafter, num_sequences: int) -> dict:
         "compute_dtype": t.compute_dtype, "precision": t.precision, "memory_dtype": t.memory_dtype,
         "block_size": drafter_cfg.block_size,
         "slot_weights": t.slot_weights, "schedule": t.schedule, "length_buckets": t.length_buckets,
+        "distill_topk": t.distill_topk, "distill_weight": t.distill_weight if t.distill_topk else None,
         # the features' products: the store's follow target_precision, the step's are JAX's default
         "feature_precision": cfg.target_precision if t.feature_cache else "float32",
         "decay_frac": t.decay_frac if t.schedule == "constant" else None,
@@ -184,8 +193,7 @@ def run_settings(cfg: TrainConfig, drafter, num_sequences: int) -> dict:
         "num_sequences": num_sequences,
         # A draft vocabulary by its digest (None: the whole vocabulary). A checkpoint whose settings lack
         # a key is not compared on it (settings_differences).
-        "draft_vocab": None if vocab is None else hashlib.sha256(
-            np.asarray(jax.device_get(vocab.get_value()), np.int32).tobytes()).hexdigest()[:16],
+        "draft_vocab": None if vocab is None else vocab_digest(vocab),
     }
 
 
@@ -240,15 +248,17 @@ def _warning(log):
     return lambda message: log({"event": "warning", "message": message})
 
 
-def global_batch(data: SequenceData, step: int, batch_size: int, seed: int, mesh, features=None,
+def global_batch(data: SequenceData, step: int, batch_size: int, seed: int, mesh, features=(),
                  bucketed: tuple[int, int] | None = None):
-    """The arrays of batch ``step``, sharded over the data axes; each process fills only its own rows.
-    ``bucketed`` (``train.length_buckets``: ``(block_size, num_anchors)``): batches of similar lengths,
-    each as wide as it needs (:meth:`SequenceData.width`)."""
+    """The arrays of batch ``step``, sharded over the data axes; each process fills only its own rows:
+    the tokens, the loss mask and every array of the stores ``features`` (``train.feature_cache``:
+    :func:`~retrace_jax.training.evaluate.cached_features`). ``bucketed`` (``train.length_buckets``:
+    ``(block_size, num_anchors)``): batches of similar lengths, each as wide as it needs
+    (:meth:`SequenceData.width`)."""
     idx = data.indices(step, batch_size, seed, bucketed is not None)
     width = data.width(idx, *bucketed) if bucketed else None
     tokens, mask, lengths = data.rows(idx, width)
-    host = [tokens, mask] + ([features.get(idx, width)] if features is not None else [])
+    host = [tokens, mask] + [x for store in features for x in store.get_all(idx, width)]
     arrays = [jax.make_array_from_callback(x.shape, batch_sharding(mesh, x.ndim), lambda i, x=x: x[i]) for x in host]
     return arrays, int(lengths.sum())
 
@@ -366,10 +376,11 @@ def _run(cfg: TrainConfig, setup: _Setup, eval_ids, ckpts, start, log) -> dict:
     step_fn = make_train_step(target_def, drafter_def, optimizer, step_options(cfg), mesh=mesh,
                               drafter_shardings=drafter_sh, opt_shardings=opt_sh, precomputed_features=t.feature_cache,
                               drafter_fixed=fixed)
-    features = None
+    features = ()
     if t.feature_cache:
         features = cached_features(target, drafter.cfg.target_layer_ids, data, t.batch_size, log, cfg.data_dir,
-                                   cfg.target, precision=cfg.target_precision)
+                                   cfg.target, precision=cfg.target_precision, top_k=t.distill_topk,
+                                   head_ids=draft_vocab_ids(drafter))
     if start:
         start, drafter_state, opt_state = restore_newest_readable(ckpts, drafter_state, opt_state, settings, cfg.out,
                                                                   log)

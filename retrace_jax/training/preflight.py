@@ -23,7 +23,7 @@ from retrace_jax.models.drafter import DrafterConfig, check_drafter_matches, dra
 from retrace_jax.models.retrace import ReTraceConfig
 from retrace_jax.models.tiny import TINY_QWEN3
 from retrace_jax.parallel.sharding import check_divisible, make_mesh
-from retrace_jax.training.config import TrainConfig, anchor_room, as_config
+from retrace_jax.training.config import TrainConfig, anchor_room, as_config, head_room
 from retrace_jax.training.data import MANIFEST
 
 # drafter keys that describe a new drafter -> DrafterConfig fields; with drafter.init, those given must
@@ -111,7 +111,8 @@ def _drafter(cfg: TrainConfig, target: ModelConfig) -> list[str]:
         except ConfigError as err:
             out.append(f"drafter.init {dc.init}: {err}")
         out += anchor_room(cfg.train.num_anchors, cfg.train.seq_len, stored.block_size, f"drafter.init {dc.init}")
-        return out
+        return out + head_room(cfg.train.distill_topk, stored.draft_vocab_size, target.vocab_size,
+                               f"drafter.init {dc.init}")
     retrace = ReTraceConfig(**cfg.retrace.to_dict()) if cfg.train.objective == "retrace" else None
     mask = dc.mask_token_id if dc.mask_token_id is not None else target.vocab_size - 1
     try:
@@ -127,7 +128,7 @@ def _drafter(cfg: TrainConfig, target: ModelConfig) -> list[str]:
         out.append(f"drafter.init_layers: {bad} are not layers of the target (0..{target.num_layers - 1})")
     if dc.draft_vocab is not None and dc.draft_vocab > target.vocab_size:
         out.append(f"drafter.draft_vocab: {dc.draft_vocab} exceeds the target's vocabulary ({target.vocab_size})")
-    return out
+    return out + head_room(cfg.train.distill_topk, dc.draft_vocab, target.vocab_size, "drafter.draft_vocab")
 
 
 def _mesh(cfg: TrainConfig, target: ModelConfig, devices) -> list[str]:

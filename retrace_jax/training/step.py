@@ -18,7 +18,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from retrace_jax.models.layers import product_precision
 from retrace_jax.parallel.sharding import batch_sharding
-from retrace_jax.training.dflash_loss import SLOT_WEIGHTS, TRAIN_MESH, dflash_loss, sample_anchors
+from retrace_jax.training.dflash_loss import (
+    SLOT_WEIGHTS,
+    TRAIN_MESH,
+    TeacherTopK,
+    dflash_loss,
+    sample_anchors,
+)
 from retrace_jax.training.retrace_loss import (
     CORRECTION_SOURCES,
     DEFAULT_ROUNDS,
@@ -50,6 +56,8 @@ class StepOptions:
     memory_dropout: float = 0.0  # ReTrace: probability that a block's memory is dropped in a later round
     miss_weight: float = 0.0  # ReTrace: extra loss weight of slots the memory-off draft gets wrong
     slot_weights: str = "gamma"  # DFlash: how the drafted slots weigh (dflash_loss.SLOT_WEIGHTS)
+    distill_topk: int = 0  # DFlash: > 0 trains the slots on the target's top-k too (dflash_loss.teacher_top_k)
+    distill_weight: float = 1.0  # DFlash, with distill_topk: the soft loss's share, the hard labels' the rest
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -62,6 +70,12 @@ class StepOptions:
             raise ValueError(f"slot_weights must be one of {SLOT_WEIGHTS}, got {self.slot_weights!r}")
         if self.slot_weights != "gamma" and self.objective != "dflash":
             raise ValueError(f"slot_weights {self.slot_weights!r} serves the dflash objective only")
+        if not isinstance(self.distill_topk, int) or isinstance(self.distill_topk, bool) or self.distill_topk < 0:
+            raise ValueError(f"distill_topk must be a non-negative integer, got {self.distill_topk!r}")
+        if self.distill_topk and self.objective != "dflash":
+            raise ValueError("distill_topk serves the dflash objective only")
+        if not (isinstance(self.distill_weight, (int, float)) and 0 <= self.distill_weight <= 1):
+            raise ValueError(f"distill_weight must be a number in [0, 1], got {self.distill_weight!r}")
         if self.correction_source not in CORRECTION_SOURCES:
             raise ValueError(f"correction_source must be one of {CORRECTION_SOURCES}, got {self.correction_source!r}")
         if self.gamma is not None and not (isinstance(self.gamma, (int, float)) and 0 < self.gamma < float("inf")):
@@ -130,9 +144,10 @@ def retrace_labels(params):
 
 
 def loss_fn(drafter_state, drafter_def, target, tokens_bs, loss_mask_bs, step, seed, opts: StepOptions,
-            features_bsf=None, drafter_fixed=None):
+            features_bsf=None, drafter_fixed=None, teacher_bsz=None):
     """``drafter_fixed``: the drafter's variables that are not trained (a draft vocabulary), when
-    ``drafter_def`` comes from ``nnx.split(drafter, nnx.Param, ...)``."""
+    ``drafter_def`` comes from ``nnx.split(drafter, nnx.Param, ...)``. ``teacher_bsz``: the target's top-k
+    of every position (``dflash_loss.TeacherTopK``) that comes with precomputed features."""
     if opts.compute_dtype == "bfloat16":
         drafter_state = jax.tree.map(lambda x: x.astype(jnp.bfloat16), drafter_state)
     drafter = nnx.merge(drafter_def, drafter_state, *(() if drafter_fixed is None else (drafter_fixed,)))
@@ -140,7 +155,8 @@ def loss_fn(drafter_state, drafter_def, target, tokens_bs, loss_mask_bs, step, s
     anchors, valid = sample_anchors(key, loss_mask_bs, opts.num_anchors, drafter.cfg.block_size)
     if opts.objective == "dflash":
         m = dflash_loss(drafter, target, tokens_bs, loss_mask_bs, anchors, valid, opts.gamma, remat=opts.remat,
-                        features_bsf=features_bsf, slot_weights=opts.slot_weights)
+                        features_bsf=features_bsf, slot_weights=opts.slot_weights, distill_topk=opts.distill_topk,
+                        distill_weight=opts.distill_weight, teacher_bsz=teacher_bsz)
         return m.loss, {"loss": m.loss, "tau": m.tau, "slot_accuracy": m.slot_accuracy}
     updates = step // opts.grad_accum  # beta ramps over optimizer updates, not micro-steps
     beta = jnp.clip(updates / max(1, opts.beta_warmup_steps), 0.0, 1.0)
@@ -161,13 +177,14 @@ def loss_fn(drafter_state, drafter_def, target, tokens_bs, loss_mask_bs, step, s
     return loss, metrics
 
 
-def _step(target_state, drafter_state, opt_state, tokens_bs, loss_mask_bs, step, seed, features_bsf=None, *,
-          target_def, drafter_def, optimizer, opts, drafter_fixed=None):
+def _step(target_state, drafter_state, opt_state, tokens_bs, loss_mask_bs, step, seed, features_bsf=None,
+          top_ids_bsz=None, top_probs_bsz=None, *, target_def, drafter_def, optimizer, opts, drafter_fixed=None):
     target = nnx.merge(target_def, target_state)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    teacher = None if top_ids_bsz is None else TeacherTopK(top_ids_bsz, top_probs_bsz)
     with product_precision(opts.precision):  # read as the step is traced
         (_, metrics), grads = grad_fn(drafter_state, drafter_def, target, tokens_bs, loss_mask_bs, step, seed, opts,
-                                      features_bsf, drafter_fixed)
+                                      features_bsf, drafter_fixed, teacher)
     updates, opt_state = optimizer.update(grads, opt_state, drafter_state)
     metrics["grad_norm"] = _norm(grads)
     return optax.apply_updates(drafter_state, updates), opt_state, metrics
@@ -208,10 +225,11 @@ def _under_mesh(fn, mesh):
 
 def make_train_step(target_def, drafter_def, optimizer, opts: StepOptions, *, mesh=None, drafter_shardings=None,
                     opt_shardings=None, precomputed_features=False, drafter_fixed=None):
-    """The jitted step ``(target_state, drafter_state, opt_state, tokens, loss_mask, step, seed[, features])
-    -> (drafter_state, opt_state, metrics)``; drafter and optimizer states are donated. With
-    ``precomputed_features`` (DFlash only) the target features come in with the batch instead of being
-    computed in the step. With a mesh the batch is sharded over the data axes and the updated states keep
+    """The jitted step ``(target_state, drafter_state, opt_state, tokens, loss_mask, step, seed[, features[,
+    top_ids, top_probs]]) -> (drafter_state, opt_state, metrics)``; drafter and optimizer states are donated.
+    With ``precomputed_features`` (DFlash only) the target features come in with the batch instead of being
+    computed in the step, and with ``opts.distill_topk`` the target's top-k of every position as well
+    (``dflash_loss.features_fn``). With a mesh the batch is sharded over the data axes and the updated states keep
     the given shardings. ``drafter_fixed``: the untrained variables of a drafter split as
     ``nnx.split(drafter, nnx.Param, ...)`` (its draft vocabulary), constants of the step."""
     if precomputed_features and opts.objective != "dflash":
@@ -224,6 +242,6 @@ def make_train_step(target_def, drafter_def, optimizer, opts: StepOptions, *, me
     batch, replicated = batch_sharding(mesh, 2), NamedSharding(mesh, PartitionSpec())
     in_shardings = (None, drafter_shardings, opt_shardings, batch, batch, replicated, replicated)
     if precomputed_features:
-        in_shardings += (batch_sharding(mesh, 3),)
+        in_shardings += (batch_sharding(mesh, 3),) * (3 if opts.distill_topk else 1)
     return jax.jit(fn, donate_argnums=(1, 2), in_shardings=in_shardings,
                    out_shardings=(drafter_shardings, opt_shardings, replicated))

@@ -97,3 +97,7 @@ def test_memorize_fits_the_same_sequences_and_writes_its_curve(prepared, tmp_pat
     assert [row["step"] for row in lines] == [10, 20, 30]
     with pytest.raises(SystemExit):
         recipe_probe.main(["memorize", "bad", *common, "--steps", "0"])
+    # from the feature store, with the top-k store of train.distill_topk beside it
+    soft = recipe_probe.main(["memorize", "soft", *common, "--steps", "10", "--set", "train.feature_cache=true",
+                              "--set", "train.distill_topk=4"])
+    assert len(soft["curve"]) == 1 and np.isfinite(soft["curve"][0]["loss"])

@@ -43,6 +43,7 @@ def checkpoint(tmp_path_factory):
     (["drafter.init_layers=[9]"], "drafter.init_layers: [9] are not layers of the target (0..3)"),
     (["drafter.mask_token_id=512"], "drafter: mask_token_id 512 is not a token id of vocab_size 512"),
     (["drafter.draft_vocab=600"], "drafter.draft_vocab: 600 exceeds the target's vocabulary (512)"),
+    (["train.distill_topk=600"], "train.distill_topk: 600 exceeds the target's vocabulary (512 tokens)"),
 ])
 def test_what_cannot_run_on_the_target_or_the_devices_is_refused(config, overrides, message):
     with pytest.raises(rj.ConfigError) as err:
@@ -97,3 +98,18 @@ def test_the_tiny_configs_pass():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     preflight(load_config(os.path.join(root, "configs", "tiny_dflash.yaml")))
     preflight(load_config(os.path.join(root, "configs", "tiny_retrace.yaml")), stage="prepare")  # no drafter yet
+
+
+def test_distill_topk_fits_a_starting_drafters_draft_vocabulary(config, tmp_path):
+    """train.distill_topk takes the top k of the drafter's head vocabulary: with drafter.init, the
+    checkpoint's draft vocabulary."""
+    from retrace_jax.models.drafter import with_draft_vocab
+
+    path = str(tmp_path / "vocab16")
+    drafter = rj.init_drafter(TINY_QWEN3, mask_token_id=511, num_layers=1, block_size=4)
+    rj.save_drafter(with_draft_vocab(drafter, list(range(0, 160, 10))), path)
+    preflight(load_config(config, [f"drafter.init={path}", "train.distill_topk=16"]))
+    with pytest.raises(rj.ConfigError) as err:
+        preflight(load_config(config, [f"drafter.init={path}", "train.distill_topk=17"]))
+    assert (f"train.distill_topk: 17 exceeds the draft vocabulary (16 tokens, drafter.init {path}), the drafter's "
+            f"head vocabulary") in str(err.value)

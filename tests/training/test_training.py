@@ -531,6 +531,28 @@ def test_feature_cache_gives_the_same_training(workspace, dflash_run):
     assert os.path.dirname(first["dir"]) == str(root / "data")
 
 
+def test_distillation_trains_the_same_from_the_top_k_store_as_from_the_step(workspace, tmp_path):
+    """train.distill_topk over a draft vocabulary: the top-k store beside the features gives the losses of
+    the top-k computed in the step; the feature store is the one a run without distillation uses."""
+    root, config = workspace
+    common = ["--config", config, "--set", "train.steps=4", "--set", "train.checkpoint_every=4", "--set",
+              "drafter.draft_vocab=64", "--set", "train.distill_topk=8", "--set", "train.distill_weight=0.5"]
+    losses = {}
+    for cache in ("true", "false"):
+        out = str(tmp_path / cache)
+        train.main([*common, "--set", f"out={out}", "--set", f"train.feature_cache={cache}"])
+        losses[cache] = [r["loss"] for r in _records(out) if "loss" in r]
+    assert len(losses["true"]) == 4
+    np.testing.assert_allclose(losses["true"], losses["false"], rtol=1e-4)
+    events = [r for r in _records(str(tmp_path / "true")) if r.get("event") == "feature_cache"]
+    assert [os.path.basename(e["dir"]).split("-")[0] for e in events] == ["features", "topk"]
+    assert all(os.path.dirname(e["dir"]) == str(root / "data") for e in events)
+    again = str(tmp_path / "again")
+    train.main([*common[:-2], "--set", f"out={again}", "--set", "train.feature_cache=true"])
+    reused = [r for r in _records(again) if r.get("event") == "feature_cache"]
+    assert [e["dir"] for e in reused] == [e["dir"] for e in events] and all(e["computed"] == 0 for e in reused)
+
+
 def test_resume_with_other_settings_is_refused_before_anything_is_restored(workspace, dflash_run, monkeypatch, capsys):
     from retrace_jax.training.checkpoints import Checkpoints
 
