@@ -17,33 +17,43 @@ if [ ! -f "$SNAP/manifest.json" ]; then
     python train.py --config "$CONFIG" --stage prepare
     python benchmarks/recipe_probe.py snapshot "$DATA" "$SNAP" --shards 8
 fi
-# NAME and its overrides, one probe a line: the baseline first (every other is compared with it), then the
-# levers in the order they are expected to matter, so that a partial run answers the largest questions.
-# Equal budget is equal work: every probe drafts 16 x 16 x 16 = 4,096 block slots a step (batch x anchors x
-# block), so a smaller block takes more anchors and more anchors take fewer sequences.
-PROBES=(
+# NAME and its overrides, one probe a line, in two stages. Stage 1: the starting scales, each against
+# today's recipe (base, compared with every other). Stage 2: every other lever on top of stage 1's winner
+# (copy: the q/k norms at the target's scale, the q/k/v biases, the target's final norm; +11% dev tau at
+# block 16), compared with it, in the order the levers are expected to matter, so that a partial run
+# answers the largest questions. Equal budget is equal work: every probe drafts 16 x 16 x 16 = 4,096 block
+# slots a step (batch x anchors x block), so a smaller block takes more anchors and more anchors take fewer
+# sequences.
+STAGE1=(
     "base"
     "qknorm drafter.init_qk_norm=target"
     "fnorm drafter.init_final_norm=true"
     "copy drafter.init_qk_norm=target drafter.attention_bias=true drafter.init_final_norm=true"
-    "b4 drafter.block_size=4 train.num_anchors=64"
-    "norm drafter.init_final_norm=true drafter.init_fc=mean"
-    "anchors64 train.num_anchors=64 train.batch_size=4"
-    "lr3e-3 train.lr=3.0e-3"
-    "constant train.schedule=constant"
-    "expected train.slot_weights=expected_length"
-    "uniform train.slot_weights=uniform"
-    "reach train.slot_weights=reach"
-    "b8 drafter.block_size=8 train.num_anchors=32"
-    "bias drafter.attention_bias=true"
-    "active drafter.init_mlp_neurons=active"
-    "buckets train.length_buckets=true"
-    "vocab16k drafter.draft_vocab=16384"
-    "layers3 drafter.num_layers=3 drafter.init_layers=[21,22,23]"
-    "wide drafter.intermediate_size=4864"
-    "bf16 train.precision=bfloat16"
-    "distill8 train.distill_topk=8"
 )
+WINNER="drafter.init_qk_norm=target drafter.attention_bias=true drafter.init_final_norm=true"
+STAGE2=(
+    "copy-b4 drafter.block_size=4 train.num_anchors=64"
+    "copy-distill8 train.distill_topk=8"
+    "copy-expected train.slot_weights=expected_length"
+    "copy-constant train.schedule=constant"
+    "copy-anchors64 train.num_anchors=64 train.batch_size=4"
+    "copy-b8 drafter.block_size=8 train.num_anchors=32"
+    "copy-reach train.slot_weights=reach"
+    "copy-uniform train.slot_weights=uniform"
+    "copy-lr3e-3 train.lr=3.0e-3"
+    "copy-active drafter.init_mlp_neurons=active"
+    "copy-buckets train.length_buckets=true"
+    "copy-vocab16k drafter.draft_vocab=16384"
+    "copy-layers3 drafter.num_layers=3 drafter.init_layers=[21,22,23]"
+    "copy-wide drafter.intermediate_size=4864"
+    "copy-fcmean drafter.init_fc=mean"
+    "copy-bf16 train.precision=bfloat16"
+)
+PROBES=("${STAGE1[@]}")
+for line in "${STAGE2[@]}"; do
+    read -r name overrides <<< "$line"
+    PROBES+=("$name $WINNER $overrides")
+done
 for line in "${PROBES[@]}"; do
     read -r name overrides <<< "$line"
     if [ $# -gt 0 ] && [[ ! " $* " =~ " $name " ]]; then continue; fi
@@ -51,5 +61,8 @@ for line in "${PROBES[@]}"; do
     for o in $overrides; do sets+=(--set "$o"); done
     python benchmarks/recipe_probe.py run "$name" --config "$CONFIG" "${sets[@]}"
 done
-python benchmarks/recipe_probe.py table runs/probes/*/probe.json --baseline base \
+results() { for line in "$@"; do f="runs/probes/${line%% *}/probe.json"; if [ -f "$f" ]; then echo "$f"; fi; done; }
+python benchmarks/recipe_probe.py table $(results "${STAGE1[@]}") --baseline base \
     --out results/qwen2.5-coder-0.5b-instruct/probes.json
+python benchmarks/recipe_probe.py table runs/probes/copy/probe.json $(results "${STAGE2[@]}") --baseline copy \
+    --out results/qwen2.5-coder-0.5b-instruct/probes_stage2.json
