@@ -204,6 +204,15 @@ def _start_rows(models, consts, step, first, refill_b, tokens_bp, lengths_b, key
     )
 
 
+def _run_if(pred, fn, x):
+    """``fn(x)`` where the traced ``pred`` holds, else ``x``: a while loop of zero or one iteration, where
+    ``lax.cond(pred, fn, lambda x: x, x)`` would be the plain spelling. XLA updates a while loop's carry
+    in place, but around a ``conditional`` whose branches write the caches (a refill's prefill) it copies
+    every cache whole, three times per refill (the optimised HLO of ``stream_chunk``;
+    ``tests/decoding/test_inplace.py``)."""
+    return jax.lax.fori_loop(0, pred.astype(jnp.int32), lambda _, y: fn(y), x)
+
+
 def _harvest(c: StreamCarry, h: Harvest) -> tuple[StreamCarry, Harvest]:
     """Moves every slot whose prompt has finished into the harvest and frees the slot."""
     buf = c.step.buf
@@ -275,7 +284,7 @@ def _stream_loop(models, consts, carry: StreamCarry, queue_tokens_qp, queue_lens
             return _start_rows(models, consts, step, slot, jnp.ones((1,), bool), tokens_bp[slot][None],
                                lens_b[slot][None], keys_b[slot][None], chunk)
 
-        step = jax.lax.cond(whole, all_rows, one_row, c.step)
+        step = _run_if(~whole, one_row, _run_if(whole, all_rows, c.step))
         c = c.replace(step=step, keys_b=keys_b, prompt_b=jnp.where(refill_b, prompt_b, c.prompt_b),
                       next_prompt=c.next_prompt + jnp.sum(refill_b, dtype=jnp.int32))
         return _harvest(c, h)  # a prompt that its first token ends (a stop token, max_new_tokens 1) leaves at once

@@ -6,6 +6,7 @@ one layer of the cache, other than the in-place writes; the whole program holds 
 import os
 import re
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -172,6 +173,38 @@ def test_loops_update_caches_in_place_and_read_no_whole_layer(program, layer_loo
     found = loop_copies(hlo, layer) + [c for shape in shapes for c in whole_copies(hlo, shape)]
     found += head_copies(hlo)
     found += layer_sized(hlo, layer, weights)
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("program", ["plain", "speculative"])
+def test_a_stream_refills_its_slots_without_copying_the_caches(program):
+    """``generate(..., slots=N)``'s program (:func:`~retrace_jax.decoding.stream.stream_chunk`): a refill
+    prefills the new prompt into the slots' caches in place. Behind a ``lax.cond`` between a one-row and a
+    whole-batch refill, XLA copied every cache whole three times per refill (``stream._run_if``)."""
+    from retrace_jax.decoding.stream import prefill_chunk, spare_max_len, stream_chunk, stream_init
+
+    target = tiny_target()
+    tdef, tstate = nnx.split(target)
+    ddef = dstate = None
+    block = 0
+    if program == "speculative":
+        ddef, dstate = nnx.split(rj.init_drafter(target.cfg, mask_token_id=511, num_layers=2, block_size=8))
+        block = 8
+    slots, prompt_len, capacity = 4, 64, 512
+    chunk = prefill_chunk(prompt_len)
+    static = dict(slots=slots, max_len=spare_max_len(prompt_len, capacity, block, chunk), capacity=capacity,
+                  block_size=block)
+    carry = stream_init(tdef, tstate, ddef, dstate, **static)
+    queue = 2 * slots
+    args = (carry, np.zeros((queue, prompt_len), np.int32), np.ones((queue,), np.int32), np.int32(0), np.int32(10),
+            np.int32(64), np.int32(32), np.full((8,), -1, np.int32), SamplingParams.make())
+    hlo = users_hlo(stream_chunk.lower(tdef, tstate, ddef, dstate, *args, harvest_size=queue, chunk=chunk, **static))
+    shapes = [leaf.shape for leaf in jax.tree.leaves(carry.step) if leaf.ndim == 5]  # the target's, the drafter's
+    assert len(shapes) == (2 if program == "plain" else 4)
+    from retrace_jax.attention import cache_slots
+
+    layer = _one_layer_of_cache(target.cfg, slots, cache_slots(static["max_len"]))
+    found = loop_copies(hlo, layer) + [c for shape in set(shapes) for c in whole_copies(hlo, shape)]
     assert not found, "\n".join(found)
 
 
