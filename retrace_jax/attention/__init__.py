@@ -30,7 +30,10 @@ Two implementations share one meaning:
   sees). The chunked walk (``chunked.py``) visits the cache in chunks of ``C`` slots only up to the
   batch's largest limit, with an online softmax (flash-decoding), so decode, verify and draft cost grows
   with the filled length, not with ``S`` (a long cache's last, partly filled chunk is walked in chunks
-  of ``SMALL_CHUNK``, so a short text costs what it costs in a short cache); long query sequences
+  of ``SMALL_CHUNK``, so a short text costs what it costs in a short cache). Calls of up to
+  ``ROW_WALK_MAX_T`` queries per row (decode, verify, draft) over a batch and a cache of several chunks
+  walk each row's own chunks of ``SMALL_CHUNK`` (``walk_rows``), so that a batch of texts of different
+  lengths reads what its texts hold, not every row up to the longest one; long query sequences
   (prefill) are split into chunks of queries as well, each walking only the chunks it can see, so memory
   grows with the chunk sizes, not with the prompt squared.
 
@@ -87,7 +90,7 @@ import jax
 import jax.numpy as jnp
 
 from retrace_jax.attention import kernels
-from retrace_jax.attention.chunked import walk_cache
+from retrace_jax.attention.chunked import walk_cache, walk_rows
 from retrace_jax.attention.kernels import pallas_interpret
 from retrace_jax.attention.reference import attention_beside_context, dense_cached, reference_attention
 
@@ -97,11 +100,12 @@ PALLAS_GPU_MAX_T = 64  # queries per row up to which "pallas_gpu" and "split_gpu
 KV_CHUNK = 512  # cache slots per chunk; caches longer than this are allocated in multiples of it
 SMALL_CHUNK = 128  # ... and caches of up to KV_CHUNK slots in multiples of this, walked in chunks of it
 Q_CHUNK = 512  # queries per chunk (prefill)
+ROW_WALK_MAX_T = 64  # queries per row up to which a batch's rows walk their own chunks (walk_rows)
 DENSE_MAX_T = 64  # queries per row up to which "auto" is "dense" on a GPU ...
 DENSE_MAX_SCORES = 2**29  # ... while a call's float32 scores (B * H * T * S) stay within this (2 GiB)
 
 __all__ = ["DENSE_MAX_SCORES", "DENSE_MAX_T", "FRESH_KERNELS", "IMPLEMENTATIONS", "KV_CHUNK", "PALLAS_GPU_MAX_T",
-           "Q_CHUNK", "SMALL_CHUNK", "attention_beside_context", "auto_cached", "auto_fresh", "cache_slots",
+           "Q_CHUNK", "ROW_WALK_MAX_T", "SMALL_CHUNK", "attention_beside_context", "auto_cached", "auto_fresh", "cache_slots",
            "cached_attention", "fresh_attention", "fresh_kernel", "pallas_interpret", "reference_attention",
            "walk_chunk"]
 
@@ -202,6 +206,10 @@ def cached_attention(q_bthd, k_lbksd, v_lbksd, layer, limit_bt, extra_k_bekd=Non
         return split.split_cached(q, limit_bt, k_lbksd, v_lbksd, layer, plan, extra,
                                   extra_valid_be).astype(q_bthd.dtype)
     start = jnp.zeros_like(limit_bt) if start_bt is None else jnp.broadcast_to(start_bt, limit_bt.shape)
+    if b > 1 and t <= ROW_WALK_MAX_T and first_row is None and chunk < s:
+        # decode, verify and draft over a cache of several chunks: each row reads its own filled chunks
+        return walk_rows(q, limit_bt, k_lbksd=k_lbksd, v_lbksd=v_lbksd, layer=layer, chunk=tail, extra=extra,
+                         extra_valid=extra_valid_be, lo_b=None if start_bt is None else start).astype(q_bthd.dtype)
     walk_from = (lambda q_, limit_, start_: walk(q_, limit_)) if start_bt is None else (
         lambda q_, limit_, start_: walk(q_, limit_, lo_b=start_))
     qc = min(q_chunk, t)

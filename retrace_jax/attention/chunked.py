@@ -84,6 +84,77 @@ def walk_cache(q_btkgd, limit_bt, *, k_lbksd, v_lbksd, layer, chunk, extra, extr
     return finish(state)
 
 
+def walk_rows(q_btkgd, limit_bt, *, k_lbksd, v_lbksd, layer, chunk, extra, extra_valid=None, lo_b=None):
+    """:func:`walk_cache` where each row reads only its own chunks: query ``(b, t)`` sees the slots
+    ``lo[b] <= s < limit[b, t]`` as there, but the walk visits row ``b``'s chunks
+    ``floor(lo[b] / C) .. ceil(max_t limit[b, t] / C) - 1`` alone, ``B`` (row, chunk) pairs per step, so
+    what it reads is the sum of the rows' filled lengths, not ``B`` times the longest. A batch whose rows
+    hold texts of different lengths (a stream's slots, prompts of different lengths) then costs what its
+    texts cost; :func:`walk_cache` reads every row up to the longest row's limit.
+
+    Each step gathers the pairs' chunks ``[B, K, C, D]``, takes each pair's partial softmax and folds it
+    into its row's running one (two pairs of one row in a step are folded together). ``chunk`` must tile
+    the cache."""
+    b, t, kv, g, d = q_btkgd.shape
+    slots = k_lbksd.shape[3]
+    q_bkgtd = q_btkgd.transpose(0, 2, 3, 1, 4)
+    state = (jnp.full((b, kv, g, t), NEG, jnp.float32), jnp.zeros((b, kv, g, t), jnp.float32),
+             jnp.zeros((b, kv, g, t, d), jnp.float32))
+    if extra is not None:
+        state = extra_update(state, q_bkgtd, extra, extra_valid)
+    lo_bt = None if lo_b is None else (lo_b[:, None] if lo_b.ndim == 1 else lo_b)  # [B, 1] or [B, T]
+    top_b = jnp.max(limit_bt, axis=1)
+    # A window's first slot is negative near the sequence start (see walk_cache).
+    first_b = jnp.zeros((b,), jnp.int32) if lo_b is None else jnp.maximum(jnp.min(lo_bt, axis=1), 0) // chunk
+    count_b = jnp.maximum((top_b + chunk - 1) // chunk - first_b, 0)  # a row with nothing to see: no chunk
+    if lo_bt is not None:
+        count_b = jnp.where(jnp.any(limit_bt > lo_bt, axis=1), count_b, 0)
+    end_b = jnp.cumsum(count_b)  # pairs of rows 0..b
+    start_b = end_b - count_b
+    total = end_b[-1]
+    layer = jnp.asarray(layer, jnp.int32)
+    zero = jnp.zeros((), jnp.int32)
+
+    def read(buf, row, start):  # one chunk of one row: [K, C, D]
+        return jax.lax.dynamic_slice(buf, (layer, row, zero, start, zero), (1, 1, kv, chunk, d))[0, 0]
+
+    def one(i, state):
+        pair_p = i * b + jnp.arange(b, dtype=jnp.int32)  # this step's pairs, one per lane
+        # the last step's spare lanes read the last pair's chunk again, with nothing visible
+        at_p = jnp.minimum(pair_p, total - 1)
+        row_p = jnp.searchsorted(end_b, at_p, side="right").astype(jnp.int32)
+        start_p = jnp.minimum(first_b[row_p] + at_p - start_b[row_p], slots // chunk - 1) * chunk
+        k_p, v_p = (jax.vmap(functools.partial(read, buf))(row_p, start_p) for buf in (k_lbksd, v_lbksd))
+        q_p = q_bkgtd[row_p]  # [B, K, G, T, D]
+        scores = jnp.einsum("pkgtd,pkcd->pkgtc", q_p, k_p.astype(q_p.dtype),
+                            preferred_element_type=jnp.float32) * d**-0.5
+        slots_pc = start_p[:, None] + jnp.arange(chunk)
+        visible = (slots_pc[:, None, :] < limit_bt[row_p][:, :, None]) & (pair_p < total)[:, None, None]
+        if lo_bt is not None:
+            visible &= slots_pc[:, None, :] >= lo_bt[row_p][:, :, None]
+        empty = (jnp.full(scores.shape[:-1], NEG, jnp.float32), jnp.zeros(scores.shape[:-1], jnp.float32),
+                 jnp.zeros(scores.shape[:-1] + (d,), jnp.float32))
+        part = online_update(empty, scores, visible, v_p)
+        return fold_rows(state, row_p, part)
+
+    state = jax.lax.fori_loop(0, (total + b - 1) // b, one, state)
+    return finish(state)
+
+
+def fold_rows(state, row_p, part):
+    """Folds the finished partial softmaxes ``part`` of pairs ``p`` (``[P, K, G, T]`` and ``[P, K, G, T,
+    D]``) into the running ones of their rows ``row[p]`` (``[B, ...]``); rows that no pair names are left
+    as they are (their scale is exactly 1). A pair that saw no key has max NEG and sum 0: it adds 0."""
+    m, l, acc = state
+    m_p, l_p, acc_p = part
+    m_new = m.at[row_p].max(m_p)
+    scale = jnp.exp(m - m_new)
+    scale_p = jnp.exp(m_p - m_new[row_p])
+    l = (l * scale).at[row_p].add(l_p * scale_p)
+    acc = (acc * scale[..., None]).at[row_p].add(acc_p * scale_p[..., None])
+    return m_new, l, acc
+
+
 def extra_update(state, q_bkgtd, extra, extra_valid=None):
     """Folds the ``E`` extra keys and values ``extra = (k [B, E, K, D], v [B, E, K, D])`` into the online
     softmax ``state``: every query sees every extra key, or those where ``extra_valid`` (``[B, E]``) holds."""

@@ -188,3 +188,29 @@ def test_what_auto_runs_on_each_backend():
     assert fresh_kernel("pallas_tpu", jnp.float32, 64) == "pallas_tpu"
     assert fresh_kernel("chunked", jnp.bfloat16, 128, backend="gpu") is None
     assert fresh_kernel("dense", jnp.bfloat16, 128, backend="gpu") is None
+
+
+@pytest.mark.parametrize("t,window", [(1, False), (4, False), (4, True)])
+def test_each_row_reads_only_its_own_chunks(t, window):
+    """Decode-sized calls over a cache of several chunks walk each row's own filled chunks: a short row
+    beside a long one matches the reference (with and without a sliding window's first slot), and never
+    reads a chunk past its own limit (its slots there poisoned with NaN change nothing, though the long
+    row's walk covers them)."""
+    rng = np.random.default_rng(3)
+    slots = 512
+    k, v = _random_cache(rng, 2, 3, slots, 2, 8, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((3, t, 4, 8)), jnp.float32)
+    lengths = np.asarray([30, 500, 0])  # a short row, a long one, an empty one
+    limit = np.minimum(lengths[:, None] + np.arange(1, t + 1)[None, :], slots).astype(np.int32)
+    start = np.maximum(limit - 20, 0) if window else None
+    mask = np.arange(slots)[None, None, :] < limit[:, :, None]
+    if window:
+        mask &= np.arange(slots)[None, None, :] >= start[:, :, None]
+    start = None if start is None else jnp.asarray(start)
+    want = reference_attention(q, slot_major(k[1]), slot_major(v[1]), jnp.asarray(mask))
+    got = cached_attention(q, k, v, 1, jnp.asarray(limit), start_bt=start, kv_chunk=128)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-5)
+    poison = (slice(None), 0, slice(None), slice(128, None))  # row 0 past its first chunk of 128
+    poisoned = cached_attention(q, k.at[poison].set(jnp.nan), v.at[poison].set(jnp.nan), 1, jnp.asarray(limit),
+                                start_bt=start, kv_chunk=128)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(poisoned))
