@@ -119,3 +119,14 @@ def trained_drafter(hf_model_dir, tmp_path_factory):
                         dtype="float32")
 
     return rj.load_drafter(str(built_once(tmp_path_factory, "trained_drafter", build) / "drafter"), target), prompts
+
+
+@pytest.fixture(params=["row_walk", "batch_walk"])
+def walk(request, monkeypatch):
+    """Runs a test with each walk of a batch's KV cache for decode-sized calls: each row its own chunks
+    (``walk_rows``, the default), or every row up to the longest one (``walk_cache``, what prefill runs)."""
+    import retrace_jax.attention as attention
+
+    if request.param == "batch_walk":
+        monkeypatch.setattr(attention, "ROW_WALK_MAX_T", 0)
+    return request.param

@@ -93,8 +93,10 @@ def walk_rows(q_btkgd, limit_bt, *, k_lbksd, v_lbksd, layer, chunk, extra, extra
     texts cost; :func:`walk_cache` reads every row up to the longest row's limit.
 
     Each step gathers the pairs' chunks ``[B, K, C, D]``, takes each pair's partial softmax and folds it
-    into its row's running one (two pairs of one row in a step are folded together). ``chunk`` must tile
-    the cache."""
+    into its row's running one (two pairs of one row in a step are folded together). Every lane of a step
+    does a whole chunk's work, the last step's spare ones too, so ``chunk`` is best small (the walk's small
+    chunk): in chunks of 512 a batch with one long row cost as much as :func:`walk_cache`. ``chunk`` must
+    tile the cache."""
     b, t, kv, g, d = q_btkgd.shape
     slots = k_lbksd.shape[3]
     q_bkgtd = q_btkgd.transpose(0, 2, 3, 1, 4)
@@ -122,7 +124,7 @@ def walk_rows(q_btkgd, limit_bt, *, k_lbksd, v_lbksd, layer, chunk, extra, extra
         pair_p = i * b + jnp.arange(b, dtype=jnp.int32)  # this step's pairs, one per lane
         # the last step's spare lanes read the last pair's chunk again, with nothing visible
         at_p = jnp.minimum(pair_p, total - 1)
-        row_p = jnp.searchsorted(end_b, at_p, side="right").astype(jnp.int32)
+        row_p = jnp.sum(end_b[None, :] <= at_p[:, None], axis=1, dtype=jnp.int32)  # (searchsorted: a loop)
         start_p = jnp.minimum(first_b[row_p] + at_p - start_b[row_p], slots // chunk - 1) * chunk
         k_p, v_p = (jax.vmap(functools.partial(read, buf))(row_p, start_p) for buf in (k_lbksd, v_lbksd))
         q_p = q_bkgtd[row_p]  # [B, K, G, T, D]

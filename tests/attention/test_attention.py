@@ -24,7 +24,7 @@ def slot_major(layer_bksd):
 @pytest.mark.parametrize("t,slots,kv_chunk,q_chunk", [(1, 64, 16, 16), (5, 64, 16, 16), (40, 64, 16, 8),
                                                       (3, 48, 48, 16), (33, 96, 32, 32)])
 @pytest.mark.parametrize("extra", [False, True])
-def test_chunked_matches_reference(t, slots, kv_chunk, q_chunk, extra):
+def test_chunked_matches_reference(t, slots, kv_chunk, q_chunk, extra, walk):
     rng = np.random.default_rng(t * 100 + slots)
     b, h, kv, d, layer = 3, 4, 2, 8, 1
     k, v = _random_cache(rng, 2, b, slots, kv, d, jnp.float32)
@@ -60,7 +60,7 @@ def test_chunked_bfloat16_close_to_reference():
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=3e-2)
 
 
-def test_walk_stops_at_the_longest_row():
+def test_walk_stops_at_the_longest_row(walk):
     """Slots past every query's limit are never read: poisoning them changes nothing."""
     rng = np.random.default_rng(1)
     k, v = _random_cache(rng, 1, 2, 256, 2, 8, jnp.float32)
@@ -141,7 +141,7 @@ def test_cudnn_prefill_path_gives_the_same_tokens(monkeypatch):
     assert calls and all(shape[1] == 16 for shape in calls)  # the prompt bucket, never a decode step
 
 
-def test_a_long_cache_walks_its_filled_tail_in_small_chunks():
+def test_a_long_cache_walks_its_filled_tail_in_small_chunks(walk):
     """A cache of several large chunks is walked in large chunks up to the last large boundary below the
     longest row and in small chunks after it: it matches the reference at every filled length, and a
     short filled length reads no slot past the small chunks it needs (poisoned slots change nothing;

@@ -168,7 +168,7 @@ def test_a_window_longer_than_the_context_changes_nothing(full, attention):
                                np.asarray(full.draft(emb, cache, attention=attention)), atol=TOL, rtol=0)
 
 
-def test_windowed_cache_walk_equals_dense():
+def test_windowed_cache_walk_equals_dense(walk):
     """``start_bt`` (a first visible slot per query) through the chunked walk, over several chunks and in
     chunks of queries, equals the dense reference."""
     rng = np.random.RandomState(2)
