@@ -16,6 +16,7 @@ Shape letters used across the library:
     M  query rows of one KV head in a decode kernel (M = T * G)
     X  splits of a row's filled slots in the flash-decoding kernel (``split_decode.py``)
     Z  entries of a top-k: the target's top tokens that ``train.distill_topk`` trains on (``dflash_loss.py``)
+    I  (row, chunk) pairs that one step of ``walk_rows`` reads, one per lane (I = B; ``chunked.py``)
 
 Capital ``D`` is a head's width and lowercase ``d`` the model's (``x_btd``, ``q_bthd``). Every other
 letter has one meaning; a new shape letter joins this table before it is used.

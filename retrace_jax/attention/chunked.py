@@ -92,11 +92,11 @@ def walk_rows(q_btkgd, limit_bt, *, k_lbksd, v_lbksd, layer, chunk, extra, extra
     hold texts of different lengths (a stream's slots, prompts of different lengths) then costs what its
     texts cost; :func:`walk_cache` reads every row up to the longest row's limit.
 
-    Each step gathers the pairs' chunks ``[B, K, C, D]``, takes each pair's partial softmax and folds it
-    into its row's running one (two pairs of one row in a step are folded together). Every lane of a step
-    does a whole chunk's work, the last step's spare ones too, so ``chunk`` is best small (the walk's small
-    chunk): in chunks of 512 a batch with one long row cost as much as :func:`walk_cache`. ``chunk`` must
-    tile the cache."""
+    Each step gathers the pairs' chunks ``[I, K, C, D]`` (``I = B`` lanes), takes each pair's partial
+    softmax and folds it into its row's running one (two pairs of one row in a step are folded together).
+    Every lane of a step does a whole chunk's work, the last step's spare ones too, so ``chunk`` is best
+    small (the walk's small chunk): in chunks of 512 a batch with one long row cost as much as
+    :func:`walk_cache`. ``chunk`` must tile the cache."""
     b, t, kv, g, d = q_btkgd.shape
     slots = k_lbksd.shape[3]
     q_bkgtd = q_btkgd.transpose(0, 2, 3, 1, 4)
@@ -120,40 +120,40 @@ def walk_rows(q_btkgd, limit_bt, *, k_lbksd, v_lbksd, layer, chunk, extra, extra
     def read(buf, row, start):  # one chunk of one row: [K, C, D]
         return jax.lax.dynamic_slice(buf, (layer, row, zero, start, zero), (1, 1, kv, chunk, d))[0, 0]
 
-    def one(i, state):
-        pair_p = i * b + jnp.arange(b, dtype=jnp.int32)  # this step's pairs, one per lane
+    def one(step, state):
+        pair_i = step * b + jnp.arange(b, dtype=jnp.int32)  # this step's pairs, one per lane
         # the last step's spare lanes read the last pair's chunk again, with nothing visible
-        at_p = jnp.minimum(pair_p, total - 1)
-        row_p = jnp.sum(end_b[None, :] <= at_p[:, None], axis=1, dtype=jnp.int32)  # (searchsorted: a loop)
-        start_p = jnp.minimum(first_b[row_p] + at_p - start_b[row_p], slots // chunk - 1) * chunk
-        k_p, v_p = (jax.vmap(functools.partial(read, buf))(row_p, start_p) for buf in (k_lbksd, v_lbksd))
-        q_p = q_bkgtd[row_p]  # [B, K, G, T, D]
-        scores = jnp.einsum("pkgtd,pkcd->pkgtc", q_p, k_p.astype(q_p.dtype),
+        at_i = jnp.minimum(pair_i, total - 1)
+        row_i = jnp.sum(end_b[None, :] <= at_i[:, None], axis=1, dtype=jnp.int32)  # searchsorted: a loop
+        start_i = jnp.minimum(first_b[row_i] + at_i - start_b[row_i], slots // chunk - 1) * chunk
+        k_i, v_i = (jax.vmap(functools.partial(read, buf))(row_i, start_i) for buf in (k_lbksd, v_lbksd))
+        q_i = q_bkgtd[row_i]  # [I, K, G, T, D]
+        scores = jnp.einsum("ikgtd,ikcd->ikgtc", q_i, k_i.astype(q_i.dtype),
                             preferred_element_type=jnp.float32) * d**-0.5
-        slots_pc = start_p[:, None] + jnp.arange(chunk)
-        visible = (slots_pc[:, None, :] < limit_bt[row_p][:, :, None]) & (pair_p < total)[:, None, None]
+        slots_ic = start_i[:, None] + jnp.arange(chunk)
+        visible = (slots_ic[:, None, :] < limit_bt[row_i][:, :, None]) & (pair_i < total)[:, None, None]
         if lo_bt is not None:
-            visible &= slots_pc[:, None, :] >= lo_bt[row_p][:, :, None]
+            visible &= slots_ic[:, None, :] >= lo_bt[row_i][:, :, None]
         empty = (jnp.full(scores.shape[:-1], NEG, jnp.float32), jnp.zeros(scores.shape[:-1], jnp.float32),
                  jnp.zeros(scores.shape[:-1] + (d,), jnp.float32))
-        part = online_update(empty, scores, visible, v_p)
-        return fold_rows(state, row_p, part)
+        part = online_update(empty, scores, visible, v_i)
+        return fold_rows(state, row_i, part)
 
     state = jax.lax.fori_loop(0, (total + b - 1) // b, one, state)
     return finish(state)
 
 
-def fold_rows(state, row_p, part):
-    """Folds the finished partial softmaxes ``part`` of pairs ``p`` (``[P, K, G, T]`` and ``[P, K, G, T,
-    D]``) into the running ones of their rows ``row[p]`` (``[B, ...]``); rows that no pair names are left
+def fold_rows(state, row_i, part):
+    """Folds the finished partial softmaxes ``part`` of pairs ``i`` (``[I, K, G, T]`` and ``[I, K, G, T,
+    D]``) into the running ones of their rows ``row[i]`` (``[B, ...]``); rows that no pair names are left
     as they are (their scale is exactly 1). A pair that saw no key has max NEG and sum 0: it adds 0."""
     m, l, acc = state
-    m_p, l_p, acc_p = part
-    m_new = m.at[row_p].max(m_p)
+    m_i, l_i, acc_i = part
+    m_new = m.at[row_i].max(m_i)
     scale = jnp.exp(m - m_new)
-    scale_p = jnp.exp(m_p - m_new[row_p])
-    l = (l * scale).at[row_p].add(l_p * scale_p)
-    acc = (acc * scale[..., None]).at[row_p].add(acc_p * scale_p[..., None])
+    scale_i = jnp.exp(m_i - m_new[row_i])
+    l = (l * scale).at[row_i].add(l_i * scale_i)
+    acc = (acc * scale[..., None]).at[row_i].add(acc_i * scale_i[..., None])
     return m_new, l, acc
 
 
