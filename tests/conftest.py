@@ -125,7 +125,7 @@ def trained_drafter(hf_model_dir, tmp_path_factory):
 def walk(request, monkeypatch):
     """Runs a test with each walk of a batch's KV cache for decode-sized calls: each row its own chunks
     (``walk_rows``, the default), or every row up to the longest one (``walk_cache``, what prefill runs)."""
-    import retrace_jax.attention as attention
+    from retrace_jax import attention
 
     if request.param == "batch_walk":
         monkeypatch.setattr(attention, "ROW_WALK_MAX_T", 0)
