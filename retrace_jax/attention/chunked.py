@@ -11,6 +11,27 @@ import jax.numpy as jnp
 NEG = -1e30  # the running max starts here (finite): see online_update
 
 
+def empty_state(shape, d: int):
+    """An online softmax that has seen no key: running max NEG, sum 0 and weighted values 0, ``shape``
+    (``[..., T]``) and ``shape + (D,)``, in float32."""
+    return (jnp.full(shape, NEG, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, d), jnp.float32))
+
+
+def _begin(q_btkgd, extra, extra_valid, lo_b, state=None):
+    """What both walks start from: the queries head-major ``[B, K, G, T, D]`` (once, not in every chunk's
+    product), the window's first slots ``[B, 1]`` or ``[B, T]`` (None without a window), and ``state``
+    (empty by default) with the extra keys folded in."""
+    b, t, kv, g, d = q_btkgd.shape
+    q_bkgtd = q_btkgd.transpose(0, 2, 3, 1, 4)
+    lo_bt = None if lo_b is None else (lo_b[:, None] if lo_b.ndim == 1 else lo_b)
+    if state is None:
+        state = empty_state((b, kv, g, t), d)
+    if extra is not None:
+        state = extra_update(state, q_bkgtd, extra, extra_valid)
+    return q_bkgtd, lo_bt, state
+
+
 def walk_cache(q_btkgd, limit_bt, *, k_lbksd, v_lbksd, layer, chunk, extra, extra_valid=None, lo_b=None, state=None,
                tail_chunk=None, first_row=None):
     """Online softmax over the extra keys, then over the cache chunks that hold visible slots: query
@@ -27,14 +48,8 @@ def walk_cache(q_btkgd, limit_bt, *, k_lbksd, v_lbksd, layer, chunk, extra, extr
 
     ``first_row`` (traced, or None for 0): the queries' ``B`` rows are the cache's rows ``first_row ..
     first_row + B - 1`` (a row view: see :meth:`~retrace_jax.models.kv_cache.KVCache.row_view`)."""
-    b, t, kv, g, d = q_btkgd.shape
-    lo_bt = None if lo_b is None else (lo_b[:, None] if lo_b.ndim == 1 else lo_b)  # [B, 1] or [B, T]
-    q_bkgtd = q_btkgd.transpose(0, 2, 3, 1, 4)  # once, not in every chunk's product
-    if state is None:
-        state = (jnp.full((b, kv, g, t), NEG, jnp.float32), jnp.zeros((b, kv, g, t), jnp.float32),
-                 jnp.zeros((b, kv, g, t, d), jnp.float32))
-    if extra is not None:
-        state = extra_update(state, q_bkgtd, extra, extra_valid)
+    b, d = q_btkgd.shape[0], q_btkgd.shape[4]
+    q_bkgtd, lo_bt, state = _begin(q_btkgd, extra, extra_valid, lo_b, state)
 
     def one_chunk(size, j, state):
         start = j * size
@@ -97,14 +112,9 @@ def walk_rows(q_btkgd, limit_bt, *, k_lbksd, v_lbksd, layer, chunk, extra, extra
     Every lane of a step does a whole chunk's work, the last step's spare ones too, so ``chunk`` is best
     small (the walk's small chunk): in chunks of 512 a batch with one long row cost as much as
     :func:`walk_cache`. ``chunk`` must tile the cache."""
-    b, t, kv, g, d = q_btkgd.shape
+    b, _, kv, _, d = q_btkgd.shape
     slots = k_lbksd.shape[3]
-    q_bkgtd = q_btkgd.transpose(0, 2, 3, 1, 4)
-    state = (jnp.full((b, kv, g, t), NEG, jnp.float32), jnp.zeros((b, kv, g, t), jnp.float32),
-             jnp.zeros((b, kv, g, t, d), jnp.float32))
-    if extra is not None:
-        state = extra_update(state, q_bkgtd, extra, extra_valid)
-    lo_bt = None if lo_b is None else (lo_b[:, None] if lo_b.ndim == 1 else lo_b)  # [B, 1] or [B, T]
+    q_bkgtd, lo_bt, state = _begin(q_btkgd, extra, extra_valid, lo_b)
     top_b = jnp.max(limit_bt, axis=1)
     # A window's first slot is negative near the sequence start (see walk_cache).
     first_b = jnp.zeros((b,), jnp.int32) if lo_b is None else jnp.maximum(jnp.min(lo_bt, axis=1), 0) // chunk
@@ -134,9 +144,7 @@ def walk_rows(q_btkgd, limit_bt, *, k_lbksd, v_lbksd, layer, chunk, extra, extra
         visible = (slots_ic[:, None, :] < limit_bt[row_i][:, :, None]) & (pair_i < total)[:, None, None]
         if lo_bt is not None:
             visible &= slots_ic[:, None, :] >= lo_bt[row_i][:, :, None]
-        empty = (jnp.full(scores.shape[:-1], NEG, jnp.float32), jnp.zeros(scores.shape[:-1], jnp.float32),
-                 jnp.zeros(scores.shape[:-1] + (d,), jnp.float32))
-        part = online_update(empty, scores, visible, v_i)
+        part = online_update(empty_state(scores.shape[:-1], d), scores, visible, v_i)
         return fold_rows(state, row_i, part)
 
     state = jax.lax.fori_loop(0, (total + b - 1) // b, one, state)
