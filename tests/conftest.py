@@ -66,6 +66,38 @@ if _accelerator_installed():
 from tests.helpers import FAMILIES, built_once, make_hf_model, save_hf_model
 
 
+def _memory_mappings() -> tuple[int, int] | None:
+    """This process's memory mappings and the kernel's limit on them (``vm.max_map_count``), or None where
+    /proc does not tell."""
+    try:
+        with open("/proc/self/maps") as maps, open("/proc/sys/vm/max_map_count") as limit:
+            return sum(1 for _ in maps), int(limit.read())
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Drops every compiled program after each test module. XLA's CPU backend keeps each executable's code
+    in memory mappings of its own (about 3 for a one-operation program, hundreds for a decode loop), and
+    JAX keeps the executables of every jitted function it has called. A worker that ran a few hundred
+    tests held the kernel's limit of 65,530 mappings: its next compile failed and the process died
+    (a segmentation fault or an abort inside ``backend_compile_and_load``, in whichever test came next).
+    Past half the limit after the release, the module's last test errs with the count instead."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+    counts = _memory_mappings()
+    if counts is not None and counts[0] > counts[1] // 2:
+        pytest.fail(f"this test process holds {counts[0]} memory mappings after releasing its compiled programs, "
+                    f"more than half of the kernel's limit (vm.max_map_count = {counts[1]}): something keeps "
+                    f"compiled programs alive across test modules", pytrace=False)
+
+
 @pytest.fixture(scope="session", params=sorted(FAMILIES))
 def family(request):
     return request.param
