@@ -431,10 +431,27 @@ class SequenceData:
         for j in range(step * batch_size, (step + 1) * batch_size):
             epoch, pos = divmod(j, n)
             if epoch not in perms:
-                perms[epoch] = (self.bucketed_order(seed, epoch, batch_size) if bucketed
-                                else np.random.default_rng([seed, epoch]).permutation(n))
+                perms[epoch] = self.epoch_order(seed, epoch, batch_size, bucketed)
             idx.append(perms[epoch][pos])
         return np.asarray(idx)
+
+    def epoch_order(self, seed: int, epoch: int, batch_size: int, bucketed: bool = False) -> np.ndarray:
+        """Every sequence once, in the order epoch ``epoch`` serves them (:meth:`indices`)."""
+        if bucketed:
+            return self.bucketed_order(seed, epoch, batch_size)
+        return np.random.default_rng([seed, epoch]).permutation(len(self.tokens))
+
+    def seen(self, steps: int, batch_size: int, seed: int, bucketed: bool = False) -> tuple[int, int]:
+        """``(tokens, response_tokens)`` that the first ``steps`` batches hold: their sequences' real
+        lengths (cut to ``seq_len``, as :meth:`rows` cuts them) and their loss-mask positions. A pure
+        function of the data order, so a resumed run counts on from where it stopped. Whole epochs are
+        counted at once; only the last, partial one is drawn."""
+        lengths = np.array([min(len(t), self.seq_len) for t in self.tokens], np.int64)
+        response = np.array([int(np.count_nonzero(m[: self.seq_len])) for m in self.mask], np.int64)
+        epochs, rest = divmod(steps * batch_size, len(self.tokens))
+        idx = self.epoch_order(seed, epochs, batch_size, bucketed)[:rest] if rest else np.zeros((0,), int)
+        return (int(epochs * lengths.sum() + lengths[idx].sum()),
+                int(epochs * response.sum() + response[idx].sum()))
 
     def bucketed_order(self, seed: int, epoch: int, batch_size: int, group: int = BUCKET_GROUP) -> np.ndarray:
         """An epoch's order for length-bucketed batches: the epoch's permutation cut into groups of

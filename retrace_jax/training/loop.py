@@ -254,13 +254,14 @@ def global_batch(data: SequenceData, step: int, batch_size: int, seed: int, mesh
     the tokens, the loss mask and every array of the stores ``features`` (``train.feature_cache``:
     :func:`~retrace_jax.training.evaluate.cached_features`). ``bucketed`` (``train.length_buckets``:
     ``(block_size, num_anchors)``): batches of similar lengths, each as wide as it needs
-    (:meth:`SequenceData.width`)."""
+    (:meth:`SequenceData.width`). Also ``(tokens, response_tokens)``: the batch's real tokens and its
+    loss-mask positions (every process builds the whole batch's host rows, so these are global)."""
     idx = data.indices(step, batch_size, seed, bucketed is not None)
     width = data.width(idx, *bucketed) if bucketed else None
     tokens, mask, lengths = data.rows(idx, width)
     host = [tokens, mask] + [x for store in features for x in store.get_all(idx, width)]
     arrays = [jax.make_array_from_callback(x.shape, batch_sharding(mesh, x.ndim), lambda i, x=x: x[i]) for x in host]
-    return arrays, int(lengths.sum())
+    return arrays, (int(lengths.sum()), int(np.count_nonzero(mask)))
 
 
 def host_value(x) -> np.ndarray:
@@ -391,7 +392,11 @@ def _run(cfg: TrainConfig, setup: _Setup, eval_ids, ckpts, start, log) -> dict:
     summary = {"steps_run": 0, "first_loss": None, "last_loss": None}
     pending: list[tuple[int, dict]] = []  # metrics of the steps not yet checked for finiteness
     last_saved = start or None
-    tick, tokens_seen = time.perf_counter(), 0
+    bucketed = (drafter.cfg.block_size, t.num_anchors) if t.length_buckets else None
+    # the tokens of every batch trained so far, from step 0 (a resumed run counts the earlier ones from the
+    # data order): the x axis of a curve against tokens seen, exact across resumes
+    tokens_seen, response_seen = data.seen(start, t.batch_size, t.seed, bucketed is not None) if start else (0, 0)
+    tick, tick_tokens = time.perf_counter(), tokens_seen
     step = start
 
     def check_finite():
@@ -405,16 +410,16 @@ def _run(cfg: TrainConfig, setup: _Setup, eval_ids, ckpts, start, log) -> dict:
                                        f"nothing exported). Lower train.lr (now {t.lr}) or check the data")
         pending.clear()
 
-    bucketed = (drafter.cfg.block_size, t.num_anchors) if t.length_buckets else None
     try:
         while step < t.steps:
-            batch, tokens = global_batch(data, step, t.batch_size, t.seed, mesh, features, bucketed)
+            batch, (tokens, response) = global_batch(data, step, t.batch_size, t.seed, mesh, features, bucketed)
             drafter_state, opt_state, metrics = step_fn(target_state, drafter_state, opt_state, batch[0], batch[1],
                                                         jnp.int32(step), jnp.uint32(t.seed), *batch[2:])
             step += 1
             ckpts.poll()  # the checksums of a checkpoint whose asynchronous save has finished meanwhile
             summary["steps_run"] += 1
             tokens_seen += tokens
+            response_seen += response
             pending.append((step, metrics))
             logging = step % t.log_every == 0 or step == t.steps or step == start + 1
             if logging:
@@ -422,15 +427,16 @@ def _run(cfg: TrainConfig, setup: _Setup, eval_ids, ckpts, start, log) -> dict:
                 check_finite()
                 now = time.perf_counter()
                 record = {"step": step, **{k: (v if k == "loss" else np.round(v, 4)).tolist() for k, v in m.items()},
-                          "tokens_per_s": round(tokens_seen / (now - tick), 1)}
-                tick, tokens_seen = now, 0
+                          "tokens_per_s": round((tokens_seen - tick_tokens) / (now - tick), 1),
+                          "tokens_seen": tokens_seen, "response_tokens_seen": response_seen}
+                tick, tick_tokens = now, tokens_seen
                 summary["first_loss"] = summary["first_loss"] if summary["first_loss"] is not None else record["loss"]
                 summary["last_loss"] = record["loss"]
                 log(record)
             if eval_ids and t.eval_every and step % t.eval_every == 0 and step < t.steps:
                 check_finite()
-                log(evaluate(target, nnx.merge(drafter_def, drafter_state, fixed), eval_ids, t.eval_max_new_tokens, mesh,
-                             step))
+                log({**evaluate(target, nnx.merge(drafter_def, drafter_state, fixed), eval_ids, t.eval_max_new_tokens,
+                                mesh, step), "tokens_seen": tokens_seen, "response_tokens_seen": response_seen})
             stop_now = stop.requested
             if jax.process_count() > 1 and (logging or step % t.checkpoint_every == 0):
                 stop_now = agree_any(stop_now)  # every process stops at the same step
@@ -453,7 +459,8 @@ def _run(cfg: TrainConfig, setup: _Setup, eval_ids, ckpts, start, log) -> dict:
     if step >= t.steps:
         drafter = nnx.merge(drafter_def, drafter_state, fixed)
         if eval_ids:
-            record = evaluate(target, drafter, eval_ids, t.eval_max_new_tokens, mesh, step)
+            record = {**evaluate(target, drafter, eval_ids, t.eval_max_new_tokens, mesh, step),
+                      "tokens_seen": tokens_seen, "response_tokens_seen": response_seen}
             log(record)
             summary.update({k: v for k, v in record.items() if k not in ("event", "step")})
         summary["drafter"] = export_drafter(drafter, os.path.join(cfg.out, "drafter"))

@@ -50,3 +50,18 @@ def test_a_bucket_leaves_room_for_the_last_anchors_block_and_for_every_anchor(tm
     assert data.width([0, 1], block_size=16) == 256  # 120 + 15 > 128
     assert data.width([1], block_size=4, num_anchors=200) == 256  # top_k needs 200 candidates
     assert data.width([2], block_size=16, num_anchors=2000) == 600  # never past seq_len
+
+
+def test_tokens_seen_count_every_batch_from_step_zero_in_either_order(tmp_path):
+    """SequenceData.seen (the trainer's tokens_seen on resume) equals the sum over the batches it serves,
+    across epoch boundaries, plain and bucketed, with sequences cut to seq_len."""
+    data = _data(tmp_path, [40, 60, 90, 200, 700, 450, 33])
+    for bucketed in (False, True):
+        tokens = response = 0
+        for step in range(12):  # 12 steps of 3: five epochs of 7 and one sequence more
+            assert data.seen(step, 3, seed=5, bucketed=bucketed) == (tokens, response), (bucketed, step)
+            _, mask, lengths = data.rows(data.indices(step, 3, seed=5, bucketed=bucketed))
+            tokens, response = tokens + int(lengths.sum()), response + int(mask.sum())
+        assert data.seen(12, 3, seed=5, bucketed=bucketed) == (tokens, response)
+    full = 40 + 60 + 90 + 200 + 600 + 450 + 33  # the 700-token sequence counts its first 600
+    assert data.seen(7, 1, seed=0) == (full, full - 2 * 7)

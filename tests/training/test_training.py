@@ -97,6 +97,10 @@ def test_resume_repeats_the_uninterrupted_run(workspace, dflash_run):
     assert any(r.get("event") == "resumed" and r["step"] == 25 for r in _records(out))
     for step in (26, 27, 40):
         assert resumed[step]["loss"] == full[step]["loss"], step
+        # tokens seen count from step 0 in the resumed run too
+        for key in ("tokens_seen", "response_tokens_seen"):
+            assert resumed[step][key] == full[step][key], (step, key)
+    assert 0 < full[40]["response_tokens_seen"] < full[40]["tokens_seen"]
     a, b = _tensors(dflash_run[0]), _tensors(out)
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
