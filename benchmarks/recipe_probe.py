@@ -28,6 +28,11 @@ per-slot acceptance (slot k: the share of blocks that reach slot k whose slot k 
 of the responses' tokens that the draft vocabulary holds. The result,
 ``ROOT/NAME/probe.json`` (``--out`` copies it), also holds the training time and last logged metrics.
 
+``curve NAME --every K`` is the long run: it trains the configuration to ``train.steps`` in segments of K
+steps, each resumed from the last one's checkpoint, and measures the drafter after each as ``run`` does,
+into ``ROOT/NAME/curve.json`` with the tokens seen so far; rerun, it goes on where it stopped. ``plot``
+draws dev and fit τ of curves against steps and tokens seen.
+
 ``table`` prints one row per probe: dev τ at each block, its ratio to the baseline's at every block with a
 95% bootstrap interval over dev sequences (paired: every probe sees the same sequences), dev slot
 acceptance 1-4 at the largest block, fit τ, and the fit gap.
@@ -241,6 +246,128 @@ def run(args) -> dict:
     return result
 
 
+def curve_points(steps: int, every: int) -> list[int]:
+    """The steps a curve measures at: every ``every`` steps and the last."""
+    return sorted(set(range(every, steps + 1, every)) | {steps})
+
+
+def curve(args) -> dict:
+    """``curve NAME``: trains ``ROOT/NAME`` from the configuration to ``train.steps`` in segments of
+    ``--every`` steps (``train.stop_after``: each segment resumes from the last one's checkpoint) and after
+    each measures the checkpoint's drafter as ``run`` measures a probe, on the same dev and fit sets. Each
+    point (its step, the tokens and response tokens seen since step 0, dev and fit τ per block with their
+    per-sequence values, the slot acceptances) goes to ``ROOT/NAME/curve.json`` as soon as it is measured,
+    so rerunning the same command goes on where it stopped, in another session too."""
+    import shutil
+
+    import train as train_cli
+
+    import retrace_jax as rj
+    from retrace_jax.training.checkpoints import Checkpoints
+    from retrace_jax.training.config import load_config
+    from retrace_jax.training.data import SequenceData, load_tokenizer
+
+    out_dir = os.path.join(args.root, args.name)
+    sets_args = list(args.set) + [f"out={out_dir}"]
+    cfg = load_config(args.config, sets_args)
+    t = cfg.train
+    settings = {"config": os.path.relpath(os.path.abspath(args.config), ROOT), "set": list(args.set),
+                "every": args.every, "dev": args.dev, "dev_lines": args.dev_lines, "fit": args.fit,
+                "blocks": args.blocks, "anchors": args.anchors}
+    settings_path, path = os.path.join(out_dir, "curve_settings.json"), os.path.join(out_dir, "curve.json")
+    if os.path.exists(settings_path):
+        with open(settings_path) as f:
+            saved = json.load(f)
+        if saved != settings:
+            diff = {k: (saved.get(k), v) for k, v in settings.items() if saved.get(k) != v}
+            raise SystemExit(f"{out_dir} holds a curve of other settings ({diff}: then, now); use another NAME")
+    elif os.path.exists(os.path.join(out_dir, "checkpoints")):
+        raise SystemExit(f"{out_dir} holds a run that is not a curve's; use another NAME")
+    write_json(settings, settings_path)
+    points = []
+    if os.path.exists(path):
+        with open(path) as f:
+            points = json.load(f)["points"]
+    done = {p["step"] for p in points}
+    todo = [s for s in curve_points(t.steps, args.every) if s not in done]
+    train_args = ["--config", args.config] + [x for s in sets_args for x in ("--set", s)]
+    data = SequenceData(cfg.data_dir, t.seq_len)
+    blocks = [int(b) for b in args.blocks.split(",")]
+    target = sets = None
+
+    def saved_steps() -> list[int]:
+        if not os.path.isdir(os.path.join(out_dir, "checkpoints")):
+            return []
+        ckpts = Checkpoints(os.path.join(out_dir, "checkpoints"), keep=t.keep_checkpoints, read_only=True)
+        try:
+            return ckpts.all_steps()
+        finally:
+            ckpts.close()
+
+    for step in todo:
+        latest = max(saved_steps(), default=0)
+        if latest < step:
+            train_cli.main(train_args + ["--stage", "train", "--set", f"train.stop_after={step - latest}"])
+        if step not in saved_steps():  # stopped between training past it and measuring it, and its checkpoint is gone since
+            print(f"step {step}: no checkpoint left to measure; the curve goes on without it", file=sys.stderr)
+            continue
+        drafter_dir = train_cli.main(train_args + ["--stage", "export", "--step", str(step)])
+        if target is None:
+            target = rj.load_target(cfg.target, dtype="float32")
+            sets = evaluation_sets(cfg, target, load_tokenizer(cfg.target), args)
+        drafter = rj.load_drafter(drafter_dir, target, dtype="float32")
+        tokens, response = data.seen(step, t.batch_size, t.seed, t.length_buckets)
+        point = {"step": step, "tokens_seen": tokens, "response_tokens_seen": response,
+                 **measure(drafter, target, sets, blocks, args.anchors, args.root, os.path.abspath(cfg.target))}
+        points = sorted(points + [point], key=lambda p: p["step"])
+        write_json({"name": args.name, **settings, "steps": t.steps, "batch_size": t.batch_size, "points": points},
+                   path)
+        if not args.keep_drafters:  # an exported drafter: a link to the newest of its versions
+            versions = f"{drafter_dir}.versions"
+            if os.path.islink(drafter_dir):
+                os.remove(drafter_dir)
+            else:
+                shutil.rmtree(drafter_dir)
+            shutil.rmtree(versions, ignore_errors=True)
+        b = str(blocks[-1])
+        print(json.dumps({"event": "curve", "step": step, "tokens_seen": tokens,
+                          f"dev_tau@{b}": round(point["dev"]["blocks"][b]["tau"], 4),
+                          f"fit_tau@{b}": round(point["fit"]["blocks"][b]["tau"], 4)}), flush=True)
+    with open(path) as f:
+        return json.load(f)
+
+
+def plot(paths: list[str], out: str, block: int | None = None) -> None:
+    """Dev τ (solid) and fit τ (dashed) of each curve against steps and against tokens seen."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for path in paths:
+        with open(path) as f:
+            c = json.load(f)
+        pts = c["points"]
+        if not pts:
+            continue
+        b = str(block if block is not None else max(int(k) for k in pts[0]["dev"]["blocks"]))
+        for ax, key in zip(axes, ("step", "tokens_seen")):
+            x = [p[key] for p in pts]
+            line, = ax.plot(x, [p["dev"]["blocks"][b]["tau"] for p in pts], marker="o", label=f"{c['name']} dev")
+            ax.plot(x, [p["fit"]["blocks"][b]["tau"] for p in pts], ls="--", color=line.get_color(),
+                    label=f"{c['name']} fit")
+        axes[0].set_ylabel(f"τ at block {b} (teacher-forced, greedy)")
+    axes[0].set_xlabel("training steps")
+    axes[1].set_xlabel("tokens seen")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(out)
+
+
 def sets_only(args) -> None:
     """Builds the dev and fit sets and their float32 features at the configuration's drafter layers (what
     ``run`` would build first), e.g. while the data for the first probe is still being prepared."""
@@ -402,13 +529,14 @@ def main(argv=None):
     trains.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override (repeatable)")
     trains.add_argument("--root", default=os.path.join(ROOT, "runs", "probes"))
-    r = sub.add_parser("run", parents=[trains], help="train a probe (resumable) and measure it")
+    measures = argparse.ArgumentParser(add_help=False)  # what run and curve measure on
+    measures.add_argument("--dev", default=DEV, help="the dev prompt file (JSONL)")
+    measures.add_argument("--dev-lines", default="128:192", help="START:STOP: the dev prompts' lines (0-based)")
+    measures.add_argument("--fit", type=int, default=64, help="training prompts spread over the data (the fit set)")
+    measures.add_argument("--blocks", default="4,8,16", help="block sizes to measure at")
+    measures.add_argument("--anchors", type=int, default=32, help="anchors per sequence")
+    r = sub.add_parser("run", parents=[trains, measures], help="train a probe (resumable) and measure it")
     r.add_argument("name", help="the probe's name: its directory under --root")
-    r.add_argument("--dev", default=DEV, help="the dev prompt file (JSONL)")
-    r.add_argument("--dev-lines", default="128:192", help="START:STOP: the dev prompts' lines (0-based)")
-    r.add_argument("--fit", type=int, default=64, help="training prompts spread over the data (the fit set)")
-    r.add_argument("--blocks", default="4,8,16", help="block sizes to measure at")
-    r.add_argument("--anchors", type=int, default=32, help="anchors per sequence")
     r.add_argument("--out", help="also write the result here")
     r.add_argument("--again", action="store_true", help="train and measure even if NAME has a result")
     r.add_argument("--sets-only", action="store_true", help="only build the dev and fit sets and their features")
@@ -418,6 +546,15 @@ def main(argv=None):
     m.add_argument("--sequences", type=int, default=4, help="training sequences, the same at every step")
     m.add_argument("--steps", type=int, default=100)
     m.add_argument("--every", type=int, default=10, help="log every this many steps")
+    c = sub.add_parser("curve", parents=[trains, measures],
+                       help="a long run, measured every --every steps: tau against steps and tokens seen (resumable)")
+    c.add_argument("name", help="the run's name: its directory under --root")
+    c.add_argument("--every", type=int, required=True, help="measure after every this many steps (and the last)")
+    c.add_argument("--keep-drafters", action="store_true", help="keep each measured drafter (OUT/drafter_stepN)")
+    pl = sub.add_parser("plot", help="plot curves (curve.json files): dev and fit tau against steps and tokens seen")
+    pl.add_argument("curves", nargs="+", help="curve.json files")
+    pl.add_argument("--out", required=True, help="the image to write (.png, .svg)")
+    pl.add_argument("--block", type=int, default=None, help="the block size to plot (default: the largest measured)")
     t = sub.add_parser("table", help="compare probes' results")
     t.add_argument("results", nargs="+", help="probe.json files")
     t.add_argument("--baseline", default="base")
@@ -435,10 +572,16 @@ def main(argv=None):
         if min(args.sequences, args.steps, args.every) < 1:
             p.error("--sequences, --steps and --every must be positive")
         return memorize(args)
+    if args.command in ("run", "curve") and (args.fit < 1 or args.anchors < 1):
+        p.error("--fit and --anchors must be positive")
     if args.command == "run":
-        if args.fit < 1 or args.anchors < 1:
-            p.error("--fit and --anchors must be positive")
         return sets_only(args) if args.sets_only else run(args)
+    if args.command == "curve":
+        if args.every < 1:
+            p.error("--every must be positive")
+        return curve(args)
+    if args.command == "plot":
+        return plot(args.curves, args.out, args.block)
     results = []
     for path in args.results:
         with open(path) as f:

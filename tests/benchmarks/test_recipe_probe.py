@@ -61,6 +61,41 @@ def test_probes_train_measure_and_compare(prepared, tmp_path, capsys):
         recipe_probe.main(["table", str(tmp_path / "base" / "probe.json"), "--baseline", "nope"])
 
 
+def test_a_curve_trains_in_segments_measures_each_and_resumes(prepared, tmp_path, capsys):
+    """curve: the run trained in segments of --every steps ends where one uninterrupted probe ends (its
+    last point measures the same drafter), each point carries the tokens seen so far, and a rerun measures
+    only what is missing."""
+    root, config = prepared
+    common = ["--config", config, "--root", str(tmp_path), "--dev", str(root / "prompts.jsonl"), "--dev-lines", "0:6",
+              "--fit", "5", "--blocks", "3,4", "--anchors", "5", "--set", "train.steps=12",
+              "--set", "train.checkpoint_every=6"]
+    assert recipe_probe.curve_points(12, 5) == [5, 10, 12] and recipe_probe.curve_points(12, 6) == [6, 12]
+    base = recipe_probe.main(["run", "base", *common])
+    c = recipe_probe.main(["curve", "long", *common, "--every", "5"])
+    assert [p["step"] for p in c["points"]] == [5, 10, 12]
+    last = c["points"][-1]
+    assert last["dev"] == base["dev"] and last["fit"] == base["fit"]  # segments resume exactly
+    logged = [r for r in recipe_probe._records(str(tmp_path / "long")) if r.get("step") == 12 and "loss" in r]
+    assert last["tokens_seen"] == logged[-1]["tokens_seen"] and last["response_tokens_seen"] == logged[-1][
+        "response_tokens_seen"]
+    assert 0 < c["points"][0]["response_tokens_seen"] < c["points"][1]["response_tokens_seen"] < last["tokens_seen"]
+    assert not any(name.startswith("drafter_step") for name in os.listdir(tmp_path / "long"))
+    # a point lost (stopped after training, before measuring): measured again from its checkpoint, untrained
+    path = tmp_path / "long" / "curve.json"
+    kept = json.loads(path.read_text())
+    path.write_text(json.dumps({**kept, "points": kept["points"][:2]}))
+    before = len(recipe_probe._records(str(tmp_path / "long")))
+    assert recipe_probe.main(["curve", "long", *common, "--every", "5"])["points"] == kept["points"]
+    assert not any("loss" in r for r in recipe_probe._records(str(tmp_path / "long"))[before:])
+    with pytest.raises(SystemExit, match="holds a curve of other settings"):
+        recipe_probe.main(["curve", "long", *common, "--every", "4"])
+    with pytest.raises(SystemExit, match="holds a run that is not a curve's"):
+        recipe_probe.main(["curve", "base", *common, "--every", "5"])
+    image = tmp_path / "curve.png"
+    recipe_probe.main(["plot", str(path), "--out", str(image)])
+    assert image.stat().st_size > 1000
+
+
 def test_snapshot_fixes_the_first_finished_shards(prepared, tmp_path):
     root, config = prepared
     source = root / "data"
