@@ -136,3 +136,41 @@ def test_memorize_fits_the_same_sequences_and_writes_its_curve(prepared, tmp_pat
     soft = recipe_probe.main(["memorize", "soft", *common, "--steps", "10", "--set", "train.feature_cache=true",
                               "--set", "train.distill_topk=4"])
     assert len(soft["curve"]) == 1 and np.isfinite(soft["curve"][0]["loss"])
+
+
+def test_unseen_tokens_counts_what_the_context_already_holds():
+    from benchmarks.vocab_coverage import unseen_tokens
+
+    seen = np.zeros(10, bool)
+    seen[[1, 2]] = True
+    tokens = np.array([[5, 6, 1, 5, 7, 7, 2, 0], [3, 1, 2, 4, 0, 0, 0, 0]])
+    mask = np.array([[0, 0, 1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 0, 0, 0, 0]])
+    # responses: 1 5 7 7 2 and 1 2 4; unseen: 5 (in its prompt), 7 (new), 7 (earlier in the response), 4 (new)
+    got = unseen_tokens(tokens, mask, seen)
+    assert got == {"response_tokens": 8, "unseen_share": 4 / 8, "unseen_in_prompt": 1 / 4, "unseen_in_context": 2 / 4}
+
+
+def test_vocab_coverage_of_a_prompt_set(prepared, tmp_path, capsys):
+    from benchmarks import vocab_coverage
+    from retrace_jax.training.data import SequenceData
+
+    root, config = prepared
+    data = SequenceData(str(root / "data"), 1 << 30)
+    distinct = len(set(np.concatenate([t[m.astype(bool)] for t, m in zip(data.tokens, data.mask)]).tolist()))
+    target = str(root / "target")
+    args = ["--data", str(root / "data"), "--target", target, "--prompts", f"dev={root / 'prompts.jsonl'}:0:6",
+            "--sizes", f"4,{distinct},128", "--max-new-tokens", "12", "--cache", str(tmp_path), "--out",
+            str(tmp_path / "cov.json")]
+    r = vocab_coverage.main(args)
+    assert r["distinct_training_response_tokens"] == distinct
+    dev = r["sets"]["dev"]
+    assert dev["sequences"] == 6 and dev["response_tokens"] > 0
+    cov = dev["coverage"]
+    assert cov["top 4"] <= cov[f"top {distinct}"] <= cov["top 128"] == 1.0  # the whole tiny vocabulary
+    assert cov[f"top {distinct}"] == pytest.approx(1 - dev["unseen_share"])  # exactly the tokens seen
+    assert "| dev | " in capsys.readouterr().out
+    assert vocab_coverage.main(args) == r  # the set is kept: the same answer without the target
+    with pytest.raises(SystemExit, match="has no draft vocabulary"):
+        vocab_coverage.main(args + ["--drafter", target])
+    with pytest.raises(SystemExit, match="NAME=JSONL"):
+        vocab_coverage.main(args[:4] + ["--prompts", "nope"])
