@@ -6,6 +6,7 @@
 # measured on the same dev and fit sequences. Resumable at every level: rerunning the same command skips finished
 # probes, resumes the one that was interrupted (checkpoints, feature store) and continues the preparation.
 #   pip install -e '.[assets]' && bash scripts/qwen25coder05_probes.sh [NAME ...]   # all probes, or those named
+#   bash scripts/qwen25coder05_probes.sh --prepare-only   # only the model, the prompts, the data and its snapshot
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=configs/qwen25coder05_probe.yaml
@@ -17,6 +18,7 @@ if [ ! -f "$SNAP/manifest.json" ]; then
     python train.py --config "$CONFIG" --stage prepare
     python benchmarks/recipe_probe.py snapshot "$DATA" "$SNAP" --shards 8
 fi
+if [ "${1:-}" = "--prepare-only" ]; then exit 0; fi
 # NAME and its overrides, one probe a line, in two stages. Stage 1: the starting scales, each against
 # today's recipe (base, compared with every other). Stage 2: every other lever on top of stage 1's winner
 # (copy: the q/k norms at the target's scale, the q/k/v biases, the target's final norm; +11% dev tau at
