@@ -4,10 +4,9 @@
 # anchors, the expected-length slot weights), trained far past the probes' 400 steps on the same fixed 1,024
 # sequences, at a constant learning rate with a linear decay over the last fifth, and measured on the probes'
 # dev and fit sets every 200 steps (benchmarks/recipe_probe.py curve). Two settings are there to make a step
-# cheaper (they change no loss; bfloat16 rounds the products):
-# length buckets (batches padded to their longest sequence, not to seq_len 576) and bfloat16 operands with
-# float32 accumulation in the drafter's products (0.58x of the probes' step time together,
-# benchmarks/train_step.py).
+# cheaper (they change no loss; bfloat16 rounds the products): length buckets (batches padded to their longest
+# sequence, not to seq_len 576) and bfloat16 operands with float32 accumulation in the drafter's products
+# (0.58x of the probes' step time together, benchmarks/train_step.py).
 # Where dev τ still rises when the run ends, the budget limits it; where fit τ pulls ahead of dev τ, the data
 # does. Resumable at every level: rerunning the same command trains on from the last checkpoint and measures
 # only the points still missing, in another session too. At the end it writes the curve's result and plot.
