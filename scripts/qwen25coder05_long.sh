@@ -10,21 +10,35 @@
 # Where dev τ still rises when the run ends, the budget limits it; where fit τ pulls ahead of dev τ, the data
 # does. Resumable at every level: rerunning the same command trains on from the last checkpoint and measures
 # only the points still missing, in another session too. At the end it writes the curve's result and plot.
-#   pip install -e '.[assets,bench]' && bash scripts/qwen25coder05_long.sh
+# With --all it trains the same recipe on all 4,096 prepared sequences (4x the data; its own draft vocabulary,
+# fit set and feature store) into runs/probes/long4096, the test of whether more data moves held-out τ; the
+# plot then draws both curves.
+#   pip install -e '.[assets,bench]' && bash scripts/qwen25coder05_long.sh [--all]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=configs/qwen25coder05_probe.yaml
+OUT=results/qwen2.5-coder-0.5b-instruct
 SNAP=runs/probe_data_8
 NAME=long
+CURVE=tau_curve.json
+if [ "${1:-}" = "--all" ]; then
+    SNAP=runs/qwen25coder05_code_data_bf16
+    NAME=long4096
+    CURVE=tau_curve_4096.json
+elif [ $# -gt 0 ]; then
+    echo "usage: $0 [--all]" >&2
+    exit 2
+fi
 RECIPE="drafter.init_qk_norm=target drafter.attention_bias=true drafter.init_final_norm=true
         drafter.block_size=4 train.num_anchors=64 train.slot_weights=expected_length
         train.schedule=constant train.steps=4000 train.length_buckets=true train.precision=bfloat16"
-if [ ! -f "$SNAP/manifest.json" ]; then
-    bash scripts/qwen25coder05_probes.sh --prepare-only
+if [ ! -f runs/probe_data_8/manifest.json ]; then
+    bash scripts/qwen25coder05_probes.sh --prepare-only  # all 32 shards, and the snapshot of the first 8
 fi
 sets=(--set "data.dir=$SNAP")
 for o in $RECIPE; do sets+=(--set "$o"); done
 python benchmarks/recipe_probe.py curve "$NAME" --config "$CONFIG" "${sets[@]}" --every 200
-OUT=results/qwen2.5-coder-0.5b-instruct
-cp "runs/probes/$NAME/curve.json" "$OUT/tau_curve.json"
-python benchmarks/recipe_probe.py plot "$OUT/tau_curve.json" --block 4 --out docs/qwen25coder05_tau_curve.png
+cp "runs/probes/$NAME/curve.json" "$OUT/$CURVE"
+curves=()
+for f in tau_curve.json tau_curve_4096.json; do if [ -f "$OUT/$f" ]; then curves+=("$OUT/$f"); fi; done
+python benchmarks/recipe_probe.py plot "${curves[@]}" --block 4 --out docs/qwen25coder05_tau_curve.png
