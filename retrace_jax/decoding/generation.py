@@ -37,6 +37,8 @@ class GenerateOutput:
     tokens: list[list[int]]  # the new tokens of each prompt (up to and including a stop token)
     acceptance_lengths: list[list[int]]  # per prompt, tokens committed per round
     stop_reasons: list[str] | None = None  # per prompt, one of STOP_REASONS
+    # generate(..., feature_layers=...): per prompt, the target's features [len(prompt) + len(tokens), F]
+    features: list[np.ndarray] | None = None
 
     def tau(self) -> float:
         """Mean acceptance length: the mean over prompts of each prompt's mean over rounds."""
@@ -84,6 +86,7 @@ def generate(
     slots: int | None = None,
     progress=None,
     rounds_per_call: int = 64,
+    feature_layers: Sequence[int] | None = None,
 ) -> GenerateOutput:
     """Generates up to ``max_new_tokens`` for each prompt (token ids) in one compiled program.
 
@@ -143,6 +146,14 @@ def generate(
     once more than ``N`` prompts have finished in it) and, between calls, collects the finished prompts and calls
     ``progress`` (a callable, or None) with a :class:`~retrace_jax.decoding.stream.StreamProgress`.
 
+    ``feature_layers`` (a list of layer indices, with ``slots`` and without a drafter) keeps the target's
+    features of those layers (each layer's output, the last one's after the final norm, concatenated:
+    ``TargetModel.run_layers``) at every position of each prompt and its new tokens, as the decoding
+    computes them: ``GenerateOutput.features[i]`` is ``[len(prompts[i]) + len(tokens[i]), F]``, the text a
+    drafter trains on, with no second forward pass. The last new token's features take one more step of
+    its slot (the step that feeds it); the tokens are the same as without. Memory: a buffer of
+    ``slots x positions x F`` and one of ``2 * slots`` entries of the same size for the finished prompts.
+
     The KV caches of a call are kept for the next call of the same sizes (those of the last four
     distinct sizes and methods; ``rj.clear_decode_buffers()`` frees them), so that a call does not
     allocate and first-touch caches of its whole capacity; see ``retrace_jax/decoding/buffers.py``.
@@ -164,6 +175,7 @@ def generate(
                         f"{short_repr(progress)}")
     if progress is not None and slots is None:
         raise ValueError("generate: progress is reported by a stream: pass slots= with it")
+    feature_layers = _feature_layers(feature_layers, target, drafter, slots)
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh (e.g. rj.make_mesh({mesh!r}) for a string) or None, "
                         f"got {type(mesh).__name__} {mesh!r}")
@@ -190,7 +202,8 @@ def generate(
         return _generate_stream(target, drafter, prompts, rows, capacity, np.int32(max_new_tokens), stops, sampling,
                                 stop_token_ids=stop_token_ids, block_size=block_size, use_retrace=use_retrace,
                                 mode=mode, mesh=mesh, cache_dtype=cache_dtype, attention=attention,
-                                layer_loop=layer_loop, rounds_per_call=rounds_per_call, progress=progress)
+                                layer_loop=layer_loop, rounds_per_call=rounds_per_call, progress=progress,
+                                feature_layers=feature_layers)
     tokens, lens, live = _pad_prompts(prompts, rows, prompt_bucket(max(map(len, prompts))))
     if mesh is not None:
         tokens, lens, live = (jax.device_put(x, batch_sharding(mesh, x.ndim)) for x in (tokens, lens, live))
@@ -233,7 +246,7 @@ def generate(
 
 def _generate_stream(target, drafter, prompts, slots, capacity, max_new, stops, sampling, *, stop_token_ids,
                      block_size, use_retrace, mode, mesh, cache_dtype, attention, layer_loop, rounds_per_call,
-                     progress) -> GenerateOutput:
+                     progress, feature_layers=()) -> GenerateOutput:
     """``generate(..., slots=N)``: the prompts as a stream through ``slots`` rows (see ``stream.py``)."""
     longest = prompt_bucket(max(map(len, prompts)))
     chunk = prefill_chunk(longest)
@@ -255,11 +268,34 @@ def _generate_stream(target, drafter, prompts, slots, capacity, max_new, stops, 
                                prompt_len=prompt_len, max_new=max_new, stop_ids=stops, sampling=sampling,
                                capacity=capacity, block_size=block_size, use_retrace=use_retrace, mode=mode, mesh=mesh,
                                cache_dtype=cache_dtype, attention=attention, layer_loop=layer_loop, kept=kept,
-                               spare=spare, rounds_per_call=rounds_per_call, progress=progress, fetch=_fetch)
+                               spare=spare, rounds_per_call=rounds_per_call, progress=progress, fetch=_fetch,
+                               feature_layers=feature_layers)
     POOL.put(key, spare)
     accept = result.acceptance_lengths or [[1] * len(t) for t in result.tokens]
     return GenerateOutput(tokens=result.tokens, acceptance_lengths=accept,
-                          stop_reasons=_stop_reasons(result.tokens, stop_token_ids))
+                          stop_reasons=_stop_reasons(result.tokens, stop_token_ids), features=result.features)
+
+
+def _feature_layers(layers, target: TargetModel, drafter, slots) -> tuple[int, ...]:
+    """``generate``'s ``feature_layers`` checked: a non-empty list of distinct layer indices of the
+    target, with ``slots`` and without a drafter; () for None."""
+    if layers is None:
+        return ()
+    if isinstance(layers, (int, np.integer, str, bytes)) or not hasattr(layers, "__len__") or not len(layers):
+        raise ValueError(f"generate: feature_layers must be a non-empty list of layer indices, got "
+                         f"{short_repr(layers)}")
+    depth = target.cfg.num_layers
+    bad = [x for x in layers if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or not 0 <= x < depth]
+    if bad:
+        raise ValueError(f"generate: feature_layers must be layer indices in [0, {depth}) of the target, got "
+                         f"{short_repr(bad[0])}")
+    if len(set(int(x) for x in layers)) != len(layers):
+        raise ValueError(f"generate: feature_layers names a layer twice: {short_repr(list(layers))}")
+    if slots is None:
+        raise ValueError("generate: feature_layers are kept by a stream: pass slots= with them")
+    if drafter is not None:
+        raise ValueError("generate: feature_layers are kept by plain decoding: pass no drafter with them")
+    return tuple(int(x) for x in layers)
 
 
 def _stop_reasons(tokens: list[list[int]], stop_token_ids) -> list[str]:

@@ -54,15 +54,18 @@ def plain_init(model, tokens_bp, prompt_lens_b, live_b, max_new, stop_ids, sampl
     return consts, PlainCarry(cache, buf, first_b)
 
 
-def plain_step(model, consts: StepConstants, c: PlainCarry) -> PlainCarry:
-    """One token for every row; finished rows keep their cache length and output."""
-    out = model(c.last_b[:, None], c.cache, attention=consts.attention)
+def plain_step(model, consts: StepConstants, c: PlainCarry, feature_layers: tuple[int, ...] = ()):
+    """One token for every row; finished rows keep their cache length and output. With
+    ``feature_layers`` (static) returns ``(carry, features_bf)`` as well: the target's features of the
+    token each row fed, at its position ``c.cache.lengths`` (see :meth:`TargetModel.run_layers`)."""
+    out = model(c.last_b[:, None], c.cache, feature_layers=feature_layers, attention=consts.attention)
     logits_bv = model.logits(out.hidden[:, 0])
     next_b = consts.sampling.choose(step_keys(consts.keys_b, c.buf.num), logits_bv, consts.mode)
     lengths = jnp.where(c.buf.done, c.cache.lengths, out.cache.lengths)
     buf = stop_non_finite(c.buf, logits_bv)
     buf = commit(buf, next_b[:, None], jnp.ones_like(next_b), consts.max_new, consts.stop_ids)
-    return PlainCarry(out.cache.replace(lengths=lengths).constrain(consts.mesh), buf, next_b)
+    carry = PlainCarry(out.cache.replace(lengths=lengths).constrain(consts.mesh), buf, next_b)
+    return (carry, out.features[:, 0]) if feature_layers else carry
 
 
 @functools.partial(DecodeProgram, static_argnames=("graphdef", "capacity", "mode", "mesh", "cache_dtype",

@@ -86,13 +86,16 @@ class Harvest:
     accept_yo: jax.Array | None  # [Y, O] a + 1 of each round (speculative decoding), else None
     rounds_y: jax.Array | None  # [Y] rounds run
     count: jax.Array  # int32 scalar
+    features_ysf: jax.Array | None = None  # [Y, S, F] the kept features of each prompt's positions, else None
 
     @classmethod
-    def empty(cls, size: int, capacity: int, speculative: bool):
+    def empty(cls, size: int, capacity: int, speculative: bool, features_bsf=None):
+        """An empty harvest; ``features_bsf`` (the carry's, or None) gives the kept features' shape."""
         zeros = jnp.zeros((size, capacity), jnp.int32)
+        features = None if features_bsf is None else jnp.zeros((size,) + features_bsf.shape[1:], features_bsf.dtype)
         return cls(jnp.full((size,), -1, jnp.int32), zeros, jnp.zeros((size,), jnp.int32), jnp.zeros((size,), bool),
                    zeros if speculative else None, jnp.zeros((size,), jnp.int32) if speculative else None,
-                   jnp.zeros((), jnp.int32))
+                   jnp.zeros((), jnp.int32), features)
 
 
 @struct.dataclass
@@ -104,6 +107,12 @@ class StreamCarry:
     prompt_b: jax.Array  # [B] int32: the prompt a slot holds, -1 for a free slot
     next_prompt: jax.Array  # int32 scalar: the first prompt not started yet
     rounds: jax.Array  # int32 scalar: rounds run since the stream began
+    # Kept features (``feature_layers``; plain decoding only), else None. features_bsf[b, s] is the target's
+    # features of the token at position s of slot b's text; tail_b: the slot's prompt has finished and the
+    # step after its last token has fed that token (so its features are there too), which a finished prompt
+    # waits for before its harvest.
+    features_bsf: jax.Array | None = None  # [B, S, F]
+    tail_b: jax.Array | None = None  # [B] bool
 
 
 def _merge_rows(tree, first, refill_b, rows_tree):
@@ -121,7 +130,7 @@ def _merge_rows(tree, first, refill_b, rows_tree):
 
 
 def prefill_rows(target, drafter, target_cache, draft_cache, first, refill_b, tokens_bp, lengths_b, chunk: int,
-                 attention="auto"):
+                 attention="auto", keep=None):
     """Prefills the rows ``first + b`` (``first`` may be traced) where ``refill[b]`` holds with
     ``tokens[b, :lengths[b]]``, all of them together in passes of ``chunk`` tokens over a view of
     ``len(refill)`` rows of the caches (the ``B`` rows of a
@@ -133,9 +142,17 @@ def prefill_rows(target, drafter, target_cache, draft_cache, first, refill_b, to
     text for this: :func:`spare_max_len`). Returns the caches (a refilled row of length ``lengths[b]``)
     and the final-norm state of each refilled row's last prompt token ``[B, d]`` (zeros for the others).
     ``drafter`` (or None): its context cache takes the target's features of every prompt position, as
-    :func:`~retrace_jax.decoding.speculative.speculative_init` fills it."""
+    :func:`~retrace_jax.decoding.speculative.speculative_init` fills it. ``keep`` (or None):
+    ``(features_bsf, feature_layers)``, the whole batch's kept features (``StreamCarry.features_bsf``), into
+    which each refilled row's pass writes the target's features of ``feature_layers`` at its positions
+    (plain decoding only); then the buffer is returned as a fourth value."""
     rows = refill_b.shape[0]
     layer_ids = () if drafter is None else drafter.cfg.target_layer_ids
+    if keep is not None:
+        if drafter is not None:
+            raise ValueError("prefill_rows: kept features are for plain decoding (no drafter)")
+        features_bsf, layer_ids = keep
+        slots = features_bsf.shape[0]
     old_t = jax.lax.dynamic_slice_in_dim(target_cache.lengths, first, rows)
     old_d = None if drafter is None else jax.lax.dynamic_slice_in_dim(draft_cache.lengths, first, rows)
     passes = jnp.max(jnp.where(refill_b, (lengths_b + chunk - 1) // chunk, 0))
@@ -145,20 +162,24 @@ def prefill_rows(target, drafter, target_cache, draft_cache, first, refill_b, to
         return jnp.where(refill_b, jnp.minimum(i * chunk, lengths_b), old_b)
 
     def one(i, state):
-        view_t, view_d, last = state
+        view_t, view_d, last, kept = state
         tokens = jax.lax.dynamic_slice_in_dim(tokens_bp, i * chunk, chunk, 1)  # [B, chunk]
-        out = target(tokens, view_t.replace(lengths=offsets(i, old_t)), feature_layers=layer_ids,
-                     attention=attention)
+        at_b = offsets(i, old_t)
+        out = target(tokens, view_t.replace(lengths=at_b), feature_layers=layer_ids, attention=attention)
         if drafter is not None:
             view_d = drafter.extend_cache(out.features, view_d.replace(lengths=offsets(i, old_d)))
+        if kept is not None:  # refilled rows only (the others' index is out of range: dropped)
+            row_b = jnp.where(refill_b, first + jnp.arange(rows), slots)
+            kept = kept.at[row_b[:, None], at_b[:, None] + jnp.arange(chunk)].set(out.features.astype(kept.dtype),
+                                                                                   mode="drop")
         at = jnp.clip(lengths_b - 1 - i * chunk, 0, chunk - 1)
         here = jnp.take_along_axis(out.hidden, at[:, None, None], 1)[:, 0]  # [B, d]
         mine = (refill_b & (last_pass_b == i))[:, None]
-        return out.cache, view_d, jnp.where(mine, here.astype(last.dtype), last)
+        return out.cache, view_d, jnp.where(mine, here.astype(last.dtype), last), kept
 
     views = (target_cache.row_view(first, old_t), None if drafter is None else draft_cache.row_view(first, old_d),
-             jnp.zeros((rows, target.cfg.hidden_size), target.dtype))
-    view_t, view_d, last = jax.lax.fori_loop(0, passes, one, views)
+             jnp.zeros((rows, target.cfg.hidden_size), target.dtype), None if keep is None else features_bsf)
+    view_t, view_d, last, kept = jax.lax.fori_loop(0, passes, one, views)
 
     def lengths(cache, old_b):
         return jax.lax.dynamic_update_slice_in_dim(cache.lengths, jnp.where(refill_b, lengths_b, old_b), first, 0)
@@ -166,20 +187,21 @@ def prefill_rows(target, drafter, target_cache, draft_cache, first, refill_b, to
     target_cache = view_t.whole(lengths(target_cache, old_t))
     if drafter is not None:
         draft_cache = view_d.whole(lengths(draft_cache, old_d))
-    return target_cache, draft_cache, last
+    return (target_cache, draft_cache, last) if keep is None else (target_cache, draft_cache, last, kept)
 
 
-def _start_rows(models, consts, step, first, refill_b, tokens_bp, lengths_b, keys_b, chunk):
+def _start_rows(models, consts, step, first, refill_b, tokens_bp, lengths_b, keys_b, chunk, keep=None):
     """The rows ``first + b`` of the step carry where ``refill[b]`` holds taken over by new prompts
     (:func:`prefill_rows`): their output, acceptance record and ReTrace memory reset, and each first
-    token (key step 0) committed; the other rows as they were."""
+    token (key step 0) committed; the other rows as they were. With ``keep`` (:func:`prefill_rows`)
+    returns ``(step, features_bsf)``."""
     target, drafter = models
     speculative = isinstance(step, SpecCarry)
     rows = refill_b.shape[0]
     target_cache = step.target_cache if speculative else step.cache
-    target_cache, draft_cache, last_bd = prefill_rows(target, drafter, target_cache,
-                                                      step.draft_cache if speculative else None, first, refill_b,
-                                                      tokens_bp, lengths_b, chunk, consts.attention)
+    filled = prefill_rows(target, drafter, target_cache, step.draft_cache if speculative else None, first, refill_b,
+                          tokens_bp, lengths_b, chunk, consts.attention, keep)
+    target_cache, draft_cache, last_bd = filled[:3]
     logits_bv = target.logits(last_bd)
     token_b = consts.sampling.choose(step_keys(keys_b, jnp.zeros((rows,), jnp.int32)), logits_bv, consts.mode)
     capacity = step.buf.tokens.shape[1]
@@ -189,7 +211,8 @@ def _start_rows(models, consts, step, first, refill_b, tokens_bp, lengths_b, key
     buf = merge(step.buf, rows_tree=buf)
     zeros = jnp.zeros((rows,), jnp.int32)
     if not speculative:
-        return PlainCarry(target_cache.constrain(consts.mesh), buf, merge(step.last_b, rows_tree=token_b))
+        step = PlainCarry(target_cache.constrain(consts.mesh), buf, merge(step.last_b, rows_tree=token_b))
+        return step if keep is None else (step, filled[3])
     memory = step.memory
     if memory is not None:  # the empty memory of a new prompt, as speculative_init makes it
         memory = merge(memory, rows_tree=empty_memory(models, rows, memory.valid.shape[1]))
@@ -213,10 +236,26 @@ def _run_if(pred, fn, x):
     return jax.lax.fori_loop(0, pred.astype(jnp.int32), lambda _, y: fn(y), x)
 
 
+def _copy_rows(dst_ysf, src_bsf, finished_b, first):
+    """``dst`` with the rows of ``src`` where ``finished`` holds written, in slot order, at entries
+    ``first, first + 1, ...``: one dynamic slice per finished row (a round finishes a few), not a
+    scatter of every slot's whole row."""
+    order = jnp.nonzero(finished_b, size=finished_b.shape[0], fill_value=0)[0]
+
+    def one(k, dst):
+        row = jax.lax.dynamic_slice_in_dim(src_bsf, order[k], 1, 0)
+        return jax.lax.dynamic_update_slice_in_dim(dst, row.astype(dst.dtype), first + k, 0)
+
+    return jax.lax.fori_loop(0, jnp.sum(finished_b, dtype=jnp.int32), one, dst_ysf)
+
+
 def _harvest(c: StreamCarry, h: Harvest) -> tuple[StreamCarry, Harvest]:
-    """Moves every slot whose prompt has finished into the harvest and frees the slot."""
+    """Moves every slot whose prompt has finished into the harvest and frees the slot. With kept
+    features a finished prompt waits for the step that feeds its last token (``tail_b``)."""
     buf = c.step.buf
     finished = (c.prompt_b >= 0) & buf.done
+    if c.tail_b is not None:
+        finished &= c.tail_b
     size = h.prompt_y.shape[0]
     at = jnp.where(finished, h.count + jnp.cumsum(finished) - 1, size)  # out of range: dropped
 
@@ -232,17 +271,23 @@ def _harvest(c: StreamCarry, h: Harvest) -> tuple[StreamCarry, Harvest]:
         accept_yo=put(h.accept_yo, c.step.accept_br) if speculative else None,
         rounds_y=put(h.rounds_y, c.step.rounds_b) if speculative else None,
         count=h.count + jnp.sum(finished, dtype=jnp.int32),
+        features_ysf=None if h.features_ysf is None else _copy_rows(h.features_ysf, c.features_bsf, finished,
+                                                                     h.count),
     )
-    return c.replace(prompt_b=jnp.where(finished, -1, c.prompt_b)), h
+    tail_b = None if c.tail_b is None else c.tail_b & ~finished
+    return c.replace(prompt_b=jnp.where(finished, -1, c.prompt_b), tail_b=tail_b), h
 
 
 def _stream_loop(models, consts, carry: StreamCarry, queue_tokens_qp, queue_lens_q, queue_first, num_prompts,
-                 max_rounds, *, harvest_size: int, chunk: int, round_fn):
+                 max_rounds, *, harvest_size: int, chunk: int, round_fn, feature_layers=()):
     """Iterations of refill (free slots take waiting prompts), one round over all slots, harvest, until
     ``max_rounds`` rounds, until no slot holds a prompt and none can start, until the harvest might not
     hold another round's finishes, or until a free slot waits for a prompt past the queue (the host then
     hands over the next queue). The refill sits inside the loop, before the round, so that the program
-    traces (and XLA compiles) the slot prefill once."""
+    traces (and XLA compiles) the slot prefill once. With kept features (``carry.features_bsf``) the
+    prefill and every round write the target's features of ``feature_layers`` (``round_fn`` returns them
+    beside the step carry), and a finished prompt leaves one round later, once its last token's features
+    are written."""
     batch = carry.prompt_b.shape[0]
     queued = queue_tokens_qp.shape[0]
     base = jax.random.PRNGKey(consts.sampling.seed)
@@ -277,16 +322,24 @@ def _stream_loop(models, consts, carry: StreamCarry, queue_tokens_qp, queue_lens
         keys_b = jnp.where(refill_b[:, None], jax.vmap(jax.random.fold_in, (None, 0))(base, prompt_b), c.keys_b)
         slot = jnp.argmax(free).astype(jnp.int32)
 
-        def all_rows(step):
-            return _start_rows(models, consts, step, 0, refill_b, tokens_bp, lens_b, keys_b, chunk)
+        def start(x, first, refill, tokens, lens, keys):
+            step, features = x
+            if features is None:
+                return _start_rows(models, consts, step, first, refill, tokens, lens, keys, chunk), None
+            return _start_rows(models, consts, step, first, refill, tokens, lens, keys, chunk,
+                               keep=(features, feature_layers))
 
-        def one_row(step):
-            return _start_rows(models, consts, step, slot, jnp.ones((1,), bool), tokens_bp[slot][None],
-                               lens_b[slot][None], keys_b[slot][None], chunk)
+        def all_rows(x):
+            return start(x, 0, refill_b, tokens_bp, lens_b, keys_b)
 
-        step = _run_if(~whole, one_row, _run_if(whole, all_rows, c.step))
+        def one_row(x):
+            return start(x, slot, jnp.ones((1,), bool), tokens_bp[slot][None], lens_b[slot][None],
+                         keys_b[slot][None])
+
+        step, features = _run_if(~whole, one_row, _run_if(whole, all_rows, (c.step, c.features_bsf)))
         c = c.replace(step=step, keys_b=keys_b, prompt_b=jnp.where(refill_b, prompt_b, c.prompt_b),
-                      next_prompt=c.next_prompt + jnp.sum(refill_b, dtype=jnp.int32))
+                      next_prompt=c.next_prompt + jnp.sum(refill_b, dtype=jnp.int32), features_bsf=features,
+                      tail_b=None if c.tail_b is None else c.tail_b & ~refill_b)
         return _harvest(c, h)  # a prompt that its first token ends (a stop token, max_new_tokens 1) leaves at once
 
     def go_on(state):
@@ -295,15 +348,27 @@ def _stream_loop(models, consts, carry: StreamCarry, queue_tokens_qp, queue_lens
         work = jnp.any(c.prompt_b >= 0) | can_refill((c, h))
         return (n < max_rounds) & work & (h.count <= harvest_size - batch) & ~starved
 
+    def keep_features(c, step, features_bf):
+        # Each slot fed one token at its cache length: a live prompt's next position, or for a prompt that
+        # had finished before the step its last token (its tail); a finished prompt whose tail is written,
+        # and a free slot, write nothing.
+        live_b = c.prompt_b >= 0
+        done_b = c.step.buf.done
+        row_b = jnp.where(live_b & ~(done_b & c.tail_b), jnp.arange(batch), batch)  # out of range: dropped
+        at_b = c.step.cache.lengths
+        features = c.features_bsf.at[row_b, at_b].set(features_bf.astype(c.features_bsf.dtype), mode="drop")
+        return c.replace(step=step, features_bsf=features, tail_b=c.tail_b | (live_b & done_b))
+
     def one_round(state):
         (c, h), n = state
         c, h = jax.lax.while_loop(can_refill, refill, (c, h))
         step = round_fn(consts.replace(keys_b=c.keys_b), c.step)
-        c, h = _harvest(c.replace(step=step, rounds=c.rounds + 1), h)
+        c = c.replace(step=step) if c.features_bsf is None else keep_features(c, *step)
+        c, h = _harvest(c.replace(rounds=c.rounds + 1), h)
         return (c, h), n + 1
 
     capacity = carry.step.buf.tokens.shape[1]
-    state = (carry, Harvest.empty(harvest_size, capacity, isinstance(carry.step, SpecCarry)))
+    state = (carry, Harvest.empty(harvest_size, capacity, isinstance(carry.step, SpecCarry), carry.features_bsf))
     (carry, harvest), _ = jax.lax.while_loop(go_on, one_round, (state, jnp.zeros((), jnp.int32)))
     in_flight = jnp.sum(jnp.where(carry.prompt_b >= 0, carry.step.buf.num, 0))
     return carry, harvest, in_flight
@@ -325,15 +390,16 @@ def _constants(models, max_new, stop_ids, sampling, batch, *, mode, mesh, attent
 
 
 STATIC = ("target_def", "drafter_def", "slots", "max_len", "capacity", "block_size", "use_retrace", "mode", "mesh",
-          "cache_dtype", "attention", "layer_loop")
+          "cache_dtype", "attention", "layer_loop", "feature_layers")
 
 
 @functools.partial(DecodeProgram, static_argnames=STATIC, donate_argnames=("spare",))
 def stream_init(target_def, target_state, drafter_def, drafter_state, *, slots, max_len, capacity, block_size=0,
                 use_retrace=True, mode: SamplingMode = SamplingMode(), mesh=None, cache_dtype=None, attention="auto",
-                layer_loop="auto", kept=None, spare=None) -> StreamCarry:
+                layer_loop="auto", feature_layers=(), kept=None, spare=None) -> StreamCarry:
     """The carry of a stream whose ``slots`` are all free: caches for ``max_len`` positions per slot (the
-    ``spare`` ones when given, donated: see ``retrace_jax/decoding/buffers.py``), empty outputs."""
+    ``spare`` ones when given, donated: see ``retrace_jax/decoding/buffers.py``), empty outputs, and with
+    ``feature_layers`` (plain decoding) a buffer of the kept features of ``max_len`` positions per slot."""
     target, drafter = _models(target_def, target_state, drafter_def, drafter_state, layer_loop, kept)
     spare = (None, None) if spare is None else spare
     cache = spare_or_new(target, slots, max_len, cache_dtype, spare[0], "the target's cache").constrain(mesh)
@@ -345,8 +411,14 @@ def stream_init(target_def, target_state, drafter_def, drafter_state, *, slots, 
         draft_cache = spare_or_new(drafter, slots, max_len, cache_dtype, spare[1], "the drafter's cache").constrain(mesh)
         memory = empty_memory((target, drafter), slots, block_size) if use_retrace else None
         step = SpecCarry(cache, draft_cache, buf, zeros, jnp.zeros((slots, capacity), jnp.int32), zeros, memory)
+    features = tail = None
+    if feature_layers:
+        if drafter is not None:
+            raise ValueError("stream_init: kept features are for plain decoding (no drafter)")
+        features = jnp.zeros((slots, max_len, len(feature_layers) * target.cfg.hidden_size), target.dtype)
+        tail = jnp.zeros((slots,), bool)
     return StreamCarry(step, jnp.zeros((slots, 2), jnp.uint32), jnp.full((slots,), -1, jnp.int32),
-                       jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+                       jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), features, tail)
 
 
 @functools.partial(DecodeProgram, static_argnames=STATIC + ("harvest_size", "chunk"), donate_argnames=("carry",))
@@ -354,7 +426,7 @@ def stream_chunk(target_def, target_state, drafter_def, drafter_state, carry: St
                  queue_lens_q, queue_first, num_prompts, max_rounds, max_new, stop_ids, sampling: SamplingParams, *,
                  slots, max_len, capacity, harvest_size, chunk, block_size=0, use_retrace=True,
                  mode: SamplingMode = SamplingMode(), mesh=None, cache_dtype=None, attention="auto",
-                 layer_loop="auto", kept=None):
+                 layer_loop="auto", feature_layers=(), kept=None):
     """One call of a stream: up to ``max_rounds`` rounds over the slots of ``carry`` (donated), refilling
     free slots from the queue (``queue_tokens[q, :queue_lens[q]]`` is prompt ``queue_first + q``; prompts
     from ``num_prompts`` on do not exist). Returns the carry, the :class:`Harvest` of the prompts that
@@ -366,11 +438,11 @@ def stream_chunk(target_def, target_state, drafter_def, drafter_state, carry: St
     consts = _constants(models, max_new, stop_ids, sampling, slots, mode=mode, mesh=mesh, attention=attention,
                         block_size=block_size)
     if models[1] is None:
-        round_fn = functools.partial(plain_step, models[0])
+        round_fn = functools.partial(plain_step, models[0], feature_layers=feature_layers)
     else:
         round_fn = lambda consts, step: speculative_round(models, consts, step)[0]  # noqa: E731
     return _stream_loop(models, consts, carry, queue_tokens_qp, queue_lens_q, queue_first, num_prompts, max_rounds,
-                        harvest_size=harvest_size, chunk=chunk, round_fn=round_fn)
+                        harvest_size=harvest_size, chunk=chunk, round_fn=round_fn, feature_layers=feature_layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,13 +463,14 @@ class StreamResult:
     acceptance_lengths: list[list[int]] | None  # speculative decoding: a + 1 of each round, per prompt
     rounds: int
     calls: int
+    features: list[np.ndarray] | None = None  # kept features, per prompt [len(prompt) + len(tokens), F]
 
 
 def run_stream(target_def, target_state, drafter_def, drafter_state, prompts, *, slots: int, prompt_len: int,
                max_new, stop_ids, sampling: SamplingParams, capacity: int, block_size: int = 0,
                use_retrace: bool = True, mode: SamplingMode = SamplingMode(), mesh=None, cache_dtype=None,
-               attention="auto", layer_loop="auto", kept=None, spare=None, rounds_per_call: int = 64,
-               progress=None, fetch=jax.device_get):
+               attention="auto", layer_loop="auto", feature_layers=(), kept=None, spare=None,
+               rounds_per_call: int = 64, progress=None, fetch=jax.device_get):
     """Decodes ``prompts`` (token-id lists of at most ``prompt_len`` tokens, a multiple of
     :func:`prefill_chunk`) through ``slots`` rows, one :func:`stream_chunk` call after another, and
     returns the :class:`StreamResult` and the caches (to keep for the next call: ``spare``).
@@ -406,17 +479,21 @@ def run_stream(target_def, target_state, drafter_def, drafter_state, prompts, *,
     call returns after ``rounds_per_call`` rounds, or earlier once more than ``slots`` prompts have
     finished in it (its harvest of ``2 * slots`` entries might not hold another round's finishes) or when
     a free slot waits for a prompt past the queue. ``progress`` (a callable,
-    or None) receives a :class:`StreamProgress` after every call. Raises ``FloatingPointError`` for prompts
-    whose target logits were not finite (the stream stops there; its caches are not kept)."""
+    or None) receives a :class:`StreamProgress` after every call. ``feature_layers`` (plain decoding)
+    keeps the target's features of those layers at every position of each prompt and its new tokens
+    (``StreamResult.features``), as the generation computes them: no second pass over the text.
+    Raises ``FloatingPointError`` for prompts whose target logits were not finite (the stream stops
+    there; its caches are not kept)."""
     queued = harvest_size = 2 * slots
     chunk = prefill_chunk(prompt_len)
     static = dict(slots=slots, max_len=spare_max_len(prompt_len, capacity, block_size, chunk), capacity=capacity,
                   block_size=block_size, use_retrace=use_retrace, mode=mode, mesh=mesh, cache_dtype=cache_dtype,
-                  attention=attention, layer_loop=layer_loop)
+                  attention=attention, layer_loop=layer_loop, feature_layers=tuple(feature_layers))
     carry = stream_init(target_def, target_state, drafter_def, drafter_state, kept=kept, spare=spare, **static)
     total = len(prompts)
     tokens: list = [None] * total
     accept: list | None = None if drafter_def is None else [None] * total
+    features: list | None = [None] * total if feature_layers else None
     start, first, done, calls, rounds, tokens_done = time.perf_counter(), 0, 0, 0, 0, 0
     while done < total:
         queue_tokens = np.zeros((queued, prompt_len), np.int32)
@@ -443,13 +520,15 @@ def run_stream(target_def, target_state, drafter_def, drafter_state, prompts, *,
             tokens_done += n
             if accept is not None:
                 accept[i] = h.accept_yo[f, :int(h.rounds_y[f])].tolist()
+            if features is not None:
+                features[i] = np.array(h.features_ysf[f, :len(prompts[i]) + n])
         done += count
         if progress is not None:
             progress(StreamProgress(done, total, tokens_done + int(in_flight), rounds, calls,
                                     time.perf_counter() - start))
     step = carry.step
     caches = (step.cache,) if drafter_def is None else (step.target_cache, step.draft_cache)
-    return StreamResult(tokens, accept, rounds, calls), caches
+    return StreamResult(tokens, accept, rounds, calls, features), caches
 
 
 def spare_max_len(prompt_len: int, capacity: int, block_size: int, chunk: int) -> int:

@@ -176,11 +176,12 @@ def test_loops_update_caches_in_place_and_read_no_whole_layer(program, layer_loo
     assert not found, "\n".join(found)
 
 
-@pytest.mark.parametrize("program", ["plain", "speculative"])
+@pytest.mark.parametrize("program", ["plain", "speculative", "plain-features"])
 def test_a_stream_refills_its_slots_without_copying_the_caches(program):
     """``generate(..., slots=N)``'s program (:func:`~retrace_jax.decoding.stream.stream_chunk`): a refill
     prefills the new prompt into the slots' caches in place. Behind a ``lax.cond`` between a one-row and a
-    whole-batch refill, XLA copied every cache whole three times per refill (``stream._run_if``)."""
+    whole-batch refill, XLA copied every cache whole three times per refill (``stream._run_if``). With kept
+    features (``feature_layers``) neither the slots' feature buffer nor the harvest's is copied either."""
     from retrace_jax.decoding.stream import prefill_chunk, spare_max_len, stream_chunk, stream_init
 
     target = tiny_target()
@@ -193,14 +194,16 @@ def test_a_stream_refills_its_slots_without_copying_the_caches(program):
     slots, prompt_len, capacity = 4, 64, 512
     chunk = prefill_chunk(prompt_len)
     static = dict(slots=slots, max_len=spare_max_len(prompt_len, capacity, block, chunk), capacity=capacity,
-                  block_size=block)
+                  block_size=block, feature_layers=(0, 1) if program == "plain-features" else ())
     carry = stream_init(tdef, tstate, ddef, dstate, **static)
     queue = 2 * slots
     args = (carry, np.zeros((queue, prompt_len), np.int32), np.ones((queue,), np.int32), np.int32(0), np.int32(10),
             np.int32(64), np.int32(32), np.full((8,), -1, np.int32), SamplingParams.make())
     hlo = users_hlo(stream_chunk.lower(tdef, tstate, ddef, dstate, *args, harvest_size=queue, chunk=chunk, **static))
     shapes = [leaf.shape for leaf in jax.tree.leaves(carry.step) if leaf.ndim == 5]  # the target's, the drafter's
-    assert len(shapes) == (2 if program == "plain" else 4)
+    assert len(shapes) == (4 if program == "speculative" else 2)
+    if program == "plain-features":
+        shapes += [carry.features_bsf.shape, (queue,) + carry.features_bsf.shape[1:]]  # the slots', the harvest's
     from retrace_jax.attention import cache_slots
 
     layer = _one_layer_of_cache(target.cfg, slots, cache_slots(static["max_len"]))
