@@ -488,10 +488,10 @@ def print_table(results: list[dict], baseline: str) -> list[dict]:
 
 
 def snapshot(source: str, shards: int, dest: str) -> dict:
-    """A fixed copy of the first ``shards`` finished shards of prepared data (hard links where the file
-    system allows, copies otherwise) with a manifest that lists just them, so that probes started while
-    the preparation goes on all train on the same sequences. Refuses fewer finished shards than asked and
-    a destination that holds other data."""
+    """A fixed copy of the first ``shards`` finished shards of prepared data and of their kept features
+    where there are any (hard links where the file system allows, copies otherwise) with a manifest that
+    lists just them, so that probes started while the preparation goes on all train on the same sequences.
+    Refuses fewer finished shards than asked and a destination that holds other data."""
     import shutil
 
     with open(os.path.join(source, "manifest.json")) as f:
@@ -510,6 +510,8 @@ def snapshot(source: str, shards: int, dest: str) -> dict:
         return target_manifest
     os.makedirs(dest, exist_ok=True)
     names = [f"shard_{i:05d}.npz" for i in wanted] + ["eval_prompts.json"]
+    kept = [f"shard_{i:05d}.features.npy" for i in wanted] + ["features.json"]  # data.keep_features
+    names += [name for name in kept if os.path.exists(os.path.join(source, name))]
     for name in names:
         src, dst = os.path.join(source, name), os.path.join(dest, name)
         if not os.path.exists(dst):

@@ -148,6 +148,10 @@ class DataConfig(Section):
     temperature: NonNegativeFloat = doc("regeneration temperature (0: greedy)", 0.0)
     thinking: Bool = doc("Qwen3 chat template: thinking off unless asked", False)
     drafter: Path | None = doc("a drafter directory to regenerate faster (same output at temperature 0)")
+    keep_features: Bool = doc(
+        "regeneration keeps the target's features of the drafter's target layers at every position, as it computes "
+        "them (one shard_NNNNN.features.npy beside each shard), so that train.feature_cache fills its store from "
+        "them instead of a second forward pass over the data; plain regeneration only (no data.drafter)", False)
     dir: Path | None = doc("the prepared data; null: {out}/data")
 
 
@@ -326,6 +330,8 @@ class TrainConfig(Section):
         d, dr, t, out = self.data, self.drafter, self.train, []
         if d.prompts == "random" and d.num_prompts is None:
             out.append("data.num_prompts: must be set for random prompts")
+        if d.keep_features and d.drafter is not None:
+            out.append("data.keep_features: the features are kept by plain regeneration; set data.drafter to null")
         if dr.init_mlp_neurons != "first" and dr.init_layers is None:
             out.append("drafter.init_mlp_neurons: chooses the neurons that drafter.init_layers copies; set init_layers")
         if dr.init_qk_norm != "ones" and dr.init_layers is None:

@@ -250,6 +250,12 @@ def _shard_path(out_dir: str, i: int) -> str:
     return os.path.join(out_dir, f"shard_{i:05d}.npz")
 
 
+def kept_features_path(out_dir: str, i: int) -> str:
+    """Shard ``i``'s kept features (``data.keep_features``): ``[positions, F]``, its sequences one after
+    another as in the shard's ``tokens`` (the same ``offsets``)."""
+    return os.path.join(out_dir, f"shard_{i:05d}.features.npy")
+
+
 def _write_manifest(out_dir: str, manifest: dict) -> None:
     def write(tmp):
         with open(tmp, "w") as f:
@@ -343,13 +349,16 @@ def finish_manifest(out_dir: str, num_shards: int) -> dict:
 
 
 def prepare_shards(out_dir: str, prompts_ids: Sequence[Sequence[int]], settings: PrepareSettings,
-                   generate_fn: Callable[[list[list[int]], int], list[list[int]]], progress: bool = True,
+                   generate_fn: Callable[[list[list[int]], int], Any], progress: bool = True,
                    process_index: int = 0, process_count: int = 1, target: dict | None = None) -> dict:
     """Regenerates responses for ``prompts_ids`` shard by shard into ``out_dir`` (resumable). Every
     prompt must fit in ``settings.max_prompt_len`` tokens (checked before anything is written).
 
-    ``generate_fn(prompts, first_index)`` returns the responses; ``first_index`` (the global index of
-    the first prompt) lets sampled regeneration use distinct random streams in every shard.
+    ``generate_fn(prompts, first_index)`` returns the responses, or ``(responses, features)`` with the
+    target's features of each prompt and its response (``[len(prompt) + len(response), F]`` each,
+    ``data.keep_features``), written to :func:`kept_features_path` before the shard itself (whose file
+    marks it done); ``first_index`` (the global index of the first prompt) lets sampled regeneration use
+    distinct random streams in every shard.
 
     With ``process_count > 1`` this process prepares only shards ``i`` with ``i % process_count ==
     process_index`` that are not finished yet; the manifest must exist (:func:`begin_manifest` by process
@@ -370,10 +379,18 @@ def prepare_shards(out_dir: str, prompts_ids: Sequence[Sequence[int]], settings:
     for i in todo:
         chunk = [list(p) for p in prompts_ids[i * settings.shard_size:(i + 1) * settings.shard_size]]
         responses = generate_fn(chunk, i * settings.shard_size)
+        responses, features = responses if isinstance(responses, tuple) else (responses, None)
         seqs = [(p, r) for p, r in zip(chunk, responses)]
         offsets = np.cumsum([0] + [len(p) + len(r) for p, r in seqs]).astype(np.int64)
         tokens = np.concatenate([np.asarray(p + r, np.int32) for p, r in seqs])
         mask = np.concatenate([np.r_[np.zeros(len(p), np.uint8), np.ones(len(r), np.uint8)] for p, r in seqs])
+        if features is not None:
+            kept = np.concatenate(features)
+            if kept.shape[0] != offsets[-1]:
+                raise ValueError(f"shard {i}: {kept.shape[0]} positions of features for {offsets[-1]} tokens")
+            _write_file(kept_features_path(out_dir, i), f".tmp{process_index}.npy",
+                        lambda tmp, kept=kept: np.save(tmp, kept))
+            del kept
         path = _shard_path(out_dir, i)
         arrays = {"tokens": tokens, "loss_mask": mask, "offsets": offsets}
         _write_file(path, f".tmp{process_index}.npz", lambda tmp, arrays=arrays: np.savez(tmp, **arrays))
@@ -410,11 +427,13 @@ class SequenceData:
         if not mine:
             raise DataError(f"{data_dir}: no finished shards for process {process_index} of {process_count}")
         self.tokens, self.mask = [], []
+        self.dir, self.shards = data_dir, []  # shards: (index, sequences) in the order of self.tokens
         for i in mine:
             with np.load(os.path.join(data_dir, f"shard_{i:05d}.npz")) as z:
                 off, tokens, mask = z["offsets"], z["tokens"], z["loss_mask"]  # each read once
             self.tokens += np.split(tokens, off[1:-1])
             self.mask += np.split(mask, off[1:-1])
+            self.shards.append((i, len(off) - 1))
         if not any(m.any() for m in self.mask):
             raise DataError(f"{data_dir}: the sequences have no response tokens to train on")
         self.seq_len = seq_len

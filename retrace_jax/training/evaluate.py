@@ -23,7 +23,14 @@ from retrace_jax.models.layers import bfloat16_kernels, product_precision
 from retrace_jax.parallel.distributed import barrier
 from retrace_jax.training.data import SequenceData
 from retrace_jax.training.dflash_loss import features_fn
-from retrace_jax.training.feature_store import FeatureStore, build_stores, store_key, top_k_key
+from retrace_jax.training.feature_store import (
+    FeatureStore,
+    build_stores,
+    fill_from_kept,
+    kept_features_meta,
+    store_key,
+    top_k_key,
+)
 
 
 def evaluate(target, drafter, eval_ids, max_new_tokens: int, mesh, step: int) -> dict:
@@ -77,8 +84,9 @@ def cached_features(target, layer_ids, data: SequenceData, batch_size: int, log,
     (``train.distill_topk``) a second store holds the target's top-k of every position over the head
     vocabulary of the token ids ``head_ids`` (None: the whole vocabulary), ``ids`` and ``probs``
     (:func:`~retrace_jax.training.dflash_loss.teacher_top_k`), keyed by that vocabulary and ``top_k`` too;
-    one target pass fills whichever of the two is unfinished. Returns the stores: the features, then the
-    top-k."""
+    one target pass fills whichever of the two is unfinished. The feature store is copied from the
+    regeneration's kept features instead (``data.keep_features``: :func:`fill_from_kept`) when they are
+    those it needs. Returns the stores: the features, then the top-k."""
     lengths = [len(t) for t in data.tokens]
     key = store_key(target_id, layer_ids, data.seq_len, target.dtype, len(data), precision)
     stores = [FeatureStore(store_root, key, lengths, len(layer_ids) * target.cfg.hidden_size)]
@@ -92,6 +100,10 @@ def cached_features(target, layer_ids, data: SequenceData, batch_size: int, log,
     if need > free:
         raise ConfigError(f"train.feature_cache needs {need / 2**30:.1f} GiB in {store_root}, which has "
                           f"{free / 2**30:.1f} GiB free; compute features online instead")
+    width = len(layer_ids) * target.cfg.hidden_size
+    kept = kept_features_meta(target_id, layer_ids, target.dtype, precision, width)
+    if fill_from_kept(stores[0], data, kept, log) and all(store.done >= len(data) for store in stores):
+        return stores
     fn = features_fn(bfloat16_kernels(target) if precision == "bfloat16" else target, layer_ids, top_k, head_ids)
 
     def values_of(tokens):

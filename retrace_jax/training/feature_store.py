@@ -18,6 +18,13 @@ A store holds one or more named arrays of the same positions, one file each: the
 (``topk-*/ids.npy`` and ``probs.npy``, :func:`top_k_key`), in a store of their own so that a feature store
 stays valid whether a run distils or not. Stores of the same sequences that one target pass fills are
 filled together (:func:`build_stores`).
+
+A feature store can also be filled without a target pass, from the features that the regeneration kept
+(``data.keep_features``: one ``shard_NNNNN.features.npy`` per shard, described by the data directory's
+``features.json``, :func:`kept_features_meta`) when they are those the store's key asks for
+(:func:`fill_from_kept`): a copy, in sequence order, resumable like a pass. The generation computed those
+features a prompt chunk or a token at a time, a pass computes them over whole sequences: the same values to
+float rounding, so both fill the same store.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import time
 import numpy as np
 
 META = "meta.json"
+KEPT = "features.json"  # in a data directory: what its shards' kept features are (kept_features_meta)
 
 
 def store_key(target_path: str, layer_ids, seq_len: int, dtype, num_sequences: int,
@@ -71,6 +79,7 @@ class FeatureStore:
         self.nbytes = int(self.offsets[-1]) * sum(w * dtype.itemsize for w, dtype in self.arrays.values())
         self._read = None
         self._order_name = "length"
+        self._source = None  # "prepared": filled from the regeneration's kept features (fill_from_kept)
 
     def _meta(self) -> dict | None:
         path = os.path.join(self.dir, META)
@@ -82,10 +91,11 @@ class FeatureStore:
     def _write_meta(self, done: int) -> None:
         widths = {name: w for name, (w, _) in self.arrays.items()}
         shape = {"width": widths["features"]} if list(widths) == ["features"] else {"widths": widths}
+        source = {} if self._source is None else {"source": self._source}
         tmp = os.path.join(self.dir, META + ".tmp")
         with open(tmp, "w") as f:
-            json.dump({**self.key, **shape, "total": int(self.offsets[-1]), "done": done, "order": self._order_name},
-                      f)
+            json.dump({**self.key, **shape, "total": int(self.offsets[-1]), "done": done, "order": self._order_name,
+                       **source}, f)
         os.replace(tmp, os.path.join(self.dir, META))
 
     @property
@@ -202,3 +212,79 @@ def build_stores(stores: list[FeatureStore], values_of, rows_of, batch_size: int
         for s, d in zip(stores, done):
             log({"event": "feature_cache", "sequences": n, "computed": n - d, "gib": round(s.nbytes / 2**30, 3),
                  "seconds": round(time.perf_counter() - start, 1), "dir": s.dir})
+
+
+def kept_features_meta(target_path: str, layer_ids, dtype, precision: str, width: int) -> dict:
+    """What a data directory's kept features are (its ``features.json``): from which target, of which
+    layers, in which dtype, from products of which precision, how wide."""
+    return {"target": os.path.abspath(os.path.expanduser(str(target_path))), "layer_ids": [int(i) for i in layer_ids],
+            "dtype": np.dtype(dtype).name, "precision": precision, "width": int(width)}
+
+
+def read_kept_meta(data_dir: str) -> dict | None:
+    path = os.path.join(data_dir, KEPT)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def fill_from_kept(store: FeatureStore, data, expected: dict, log=None) -> bool:
+    """Fills ``store`` (a feature store of ``data``, a ``SequenceData``) by copying the regeneration's kept
+    features of ``data``'s shards when they are ``expected`` (:func:`kept_features_meta` of the store's
+    target, layers, dtype and precision) and every shard has them; resumes a copy that stopped. Returns
+    whether it filled the store; where it cannot (other features, a shard without them, a store that a
+    target pass began), ``log`` gets a warning with the reason and the store is left to the pass."""
+    from retrace_jax.training.data import kept_features_path
+
+    n = len(store.lengths)
+    if store.done >= n:
+        return False
+    meta = read_kept_meta(data.dir)
+    if meta is None:
+        return False
+    why, files = None, []
+    if meta != expected:
+        differ = sorted(k for k in set(meta) | set(expected) if meta.get(k) != expected.get(k))
+        why = f"they differ from what the store needs in {', '.join(differ)}"
+    begun = store._meta()
+    if why is None and begun is not None and int(begun.get("done", 0)) > 0 and begun.get("source") != "prepared":
+        why = f"{store.dir} was begun by a target pass"
+    j = 0
+    for shard, count in data.shards if why is None else ():
+        path = kept_features_path(data.dir, shard)
+        if not os.path.isfile(path):
+            why = f"shard {shard} has none ({path})"
+            break
+        kept = np.load(path, mmap_mode="r")
+        need = sum(len(t) for t in data.tokens[j:j + count])
+        if kept.shape != (need, expected["width"]) or kept.dtype != np.dtype(expected["dtype"]):
+            why = f"{path} holds {kept.shape} {kept.dtype}, not ({need}, {expected['width']}) {expected['dtype']}"
+            break
+        files.append((j, count, kept))
+        j += count
+    if why is not None:
+        if log is not None:
+            log({"event": "warning", "message": f"the kept features in {data.dir} are not used: {why}; the feature "
+                                                f"store is filled by a pass of the target"})
+        return False
+    start = time.perf_counter()
+    store._source = "prepared"
+    done, _, (array,) = store._open(np.arange(n))
+    first = done
+    for j, count, kept in files:
+        if j + count <= done:
+            continue
+        at = 0
+        for k in range(j, j + count):
+            if k >= done:
+                array[store.offsets[k]:store.offsets[k + 1]] = kept[at:at + store.lengths[k]]
+            at += len(data.tokens[k])
+        array.flush()
+        done = j + count
+        store._write_meta(done)
+    del array
+    if log is not None:
+        log({"event": "feature_cache", "source": "prepared", "sequences": n, "computed": 0, "copied": n - first,
+             "gib": round(store.nbytes / 2**30, 3), "seconds": round(time.perf_counter() - start, 1), "dir": store.dir})
+    return True

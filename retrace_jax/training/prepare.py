@@ -23,11 +23,13 @@ from retrace_jax.decoding.generation import bucket, generate
 from retrace_jax.io.checkpoints import load_drafter, load_target
 from retrace_jax.io.digest import file_sha256
 from retrace_jax.models.config import read_config_json
+from retrace_jax.models.drafter import DrafterConfig, default_target_layer_ids
 from retrace_jax.models.layers import bfloat16_kernels, product_precision
 from retrace_jax.models.tiny import TINY_QWEN3, tiny_target
 from retrace_jax.parallel.distributed import barrier
 from retrace_jax.parallel.placement import shard_model
 from retrace_jax.training.config import TrainConfig, as_config
+from retrace_jax.training.feature_store import KEPT, kept_features_meta, read_kept_meta
 from retrace_jax.training.data import (
     MANIFEST,
     UNRECORDED,
@@ -136,6 +138,24 @@ def check_prepared(cfg, log=print, settings: PrepareSettings | None = None) -> P
 
 
 
+def kept_layer_ids(cfg: TrainConfig, num_target_layers: int) -> tuple[int, ...]:
+    """The target layers whose features the configuration's drafter reads: ``drafter.init``'s, or
+    ``drafter.target_layer_ids`` (the official default when null), as training will build it."""
+    dc = cfg.drafter
+    if dc.init:
+        return tuple(DrafterConfig.from_hf(read_config_json(dc.init)).target_layer_ids)
+    return tuple(dc.target_layer_ids or default_target_layer_ids(num_target_layers, dc.num_layers))
+
+
+def _check_kept_meta(out: str, meta: dict) -> None:
+    saved = read_kept_meta(out)
+    if saved is not None and saved != meta:
+        differ = ", ".join(f"{k}: {saved.get(k)!r} then, {meta.get(k)!r} now" for k in sorted(set(saved) | set(meta))
+                           if saved.get(k) != meta.get(k))
+        raise DataError(f"{os.path.join(out, KEPT)}: the shards keep other features ({differ}); use a new data "
+                        f"directory, or delete its shard_*.features.npy files and {KEPT} to keep these")
+
+
 def _prepare(cfg: TrainConfig, log) -> str:
     d = cfg.data
     nproc, pid = jax.process_count(), jax.process_index()
@@ -154,9 +174,19 @@ def _prepare(cfg: TrainConfig, log) -> str:
     eval_path = os.path.join(out, "eval_prompts.json")
     check_manifest(out, settings, target_id)  # every process checks (and fails alike) before any writes
     _check_eval_prompts(eval_path, eval_ids)
+    layers, kept = None, None
+    if d.keep_features:
+        layers = kept_layer_ids(cfg, target.cfg.num_layers)
+        kept = kept_features_meta(cfg.target, layers, target.dtype, cfg.target_precision,
+                                  len(layers) * target.cfg.hidden_size)
+        _check_kept_meta(out, kept)
     if pid == 0:
         os.makedirs(out, exist_ok=True)
         _write_eval_prompts(eval_path, eval_ids)
+        if kept is not None and read_kept_meta(out) is None:
+            with open(os.path.join(out, KEPT + ".tmp"), "w") as f:
+                json.dump(kept, f)
+            os.replace(os.path.join(out, KEPT + ".tmp"), os.path.join(out, KEPT))
         if nproc > 1:
             begin_manifest(out, settings, target=target_id)
     barrier("retrace_jax.prepare.begin")
@@ -168,10 +198,12 @@ def _prepare(cfg: TrainConfig, log) -> str:
         # ends takes the next prompt at once, so no row waits for the longest response of a batch, and a
         # refilled row's prefill costs what its own prompt costs. Prompt j of the shard samples with the
         # stream fold_in(PRNGKey(first_index), j): distinct in every shard, whatever gen_batch_size is.
+        # data.keep_features: the target's features of every position too, as the stream computes them.
         with product_precision(cfg.target_precision):
-            return generate(target, chunk, d.max_new_tokens, drafter=drafter, temperature=d.temperature,
-                            stop_token_ids=stops, seed=first_index,
-                            slots=min(d.gen_batch_size, bucket(len(chunk), 1))).tokens
+            out = generate(target, chunk, d.max_new_tokens, drafter=drafter, temperature=d.temperature,
+                           stop_token_ids=stops, seed=first_index, slots=min(d.gen_batch_size, bucket(len(chunk), 1)),
+                           feature_layers=layers)
+        return out.tokens if layers is None else (out.tokens, out.features)
 
     start = time.perf_counter()
     manifest = prepare_shards(out, train_ids, settings, generate_fn, progress=pid == 0, process_index=pid,

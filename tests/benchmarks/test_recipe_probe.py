@@ -174,3 +174,18 @@ def test_vocab_coverage_of_a_prompt_set(prepared, tmp_path, capsys):
         vocab_coverage.main(args + ["--drafter", target])
     with pytest.raises(SystemExit, match="NAME=JSONL"):
         vocab_coverage.main(args[:4] + ["--prompts", "nope"])
+
+
+def test_a_snapshot_takes_the_kept_features_of_its_shards(prepared, tmp_path):
+    import shutil
+
+    root, _ = prepared
+    source = tmp_path / "data"
+    shutil.copytree(root / "data", source)
+    done = json.loads((source / "manifest.json").read_text())["done"]
+    for i in done:
+        np.save(source / f"shard_{i:05d}.features.npy", np.full((3, 2), i, np.float32))
+    (source / "features.json").write_text("{}")
+    recipe_probe.main(["snapshot", str(source), str(tmp_path / "snap"), "--shards", "1"])
+    assert sorted(os.listdir(tmp_path / "snap")) == ["eval_prompts.json", "features.json", "manifest.json",
+                                                     "shard_00000.features.npy", "shard_00000.npz"]
