@@ -31,7 +31,10 @@ of the responses' tokens that the draft vocabulary holds. The result,
 ``curve NAME --every K`` is the long run: it trains the configuration to ``train.steps`` in segments of K
 steps, each resumed from the last one's checkpoint, and measures the drafter after each as ``run`` does,
 into ``ROOT/NAME/curve.json`` with the tokens seen so far; rerun, it goes on where it stopped. ``plot``
-draws dev and fit τ of curves against steps and tokens seen.
+draws dev and fit τ of curves against steps and tokens seen. ``points CURVE [--against OTHER]`` prints a
+curve's points as a table, with paired 95% intervals of dev and fit τ against the previous point and of
+dev τ against another curve's point of the same step (only where both record the same dev sequences: each
+measured set carries a digest of its tokens).
 
 ``table`` prints one row per probe: dev τ at each block, its ratio to the baseline's at every block with a
 95% bootstrap interval over dev sequences (paired: every probe sees the same sequences), dev slot
@@ -158,7 +161,7 @@ def measure(drafter, target, sets: dict, blocks: list[int], anchors: int, root: 
             per_block[str(w)] = {"tau": float(np.nanmean(a.tau)), "tau_per_sequence": a.tau.tolist(),
                                  "blocks": int(a.blocks.sum()), "slot_acceptance": a.slot_acceptance.tolist(),
                                  "slot_reached": a.slot_reached.tolist()}
-        out[name] = {"sequences": len(s["tokens"]), "blocks": per_block,
+        out[name] = {"sequences": len(s["tokens"]), "digest": _digest(s["tokens"].tolist()), "blocks": per_block,
                      "draft_vocab_coverage": vocab_coverage(drafter, s["tokens"], s["loss_mask"])}
     return out
 
@@ -487,6 +490,68 @@ def print_table(results: list[dict], baseline: str) -> list[dict]:
     return rows
 
 
+def _paired(a: dict, b: dict, name: str, block: str, same_run: bool = False) -> dict | None:
+    """The paired ratio of two measurements' per-sequence τ on set ``name`` at ``block``, or None when they
+    are not known to be of the same sequences: both must record the set's digest, and the same one, except
+    for two points of one curve (``same_run``: its sets are fixed), which older curves did not record."""
+    x, y = a[name]["blocks"].get(block), b[name]["blocks"].get(block)
+    da, db = a[name].get("digest"), b[name].get("digest")
+    same = da == db if da and db else same_run and not da and not db
+    if not x or not y or not same or a[name]["sequences"] != b[name]["sequences"]:
+        return None
+    return paired_ratio(np.asarray(x["tau_per_sequence"]), np.asarray(y["tau_per_sequence"]))
+
+
+def _ratio_cell(r: dict | None) -> str:
+    if r is None:
+        return ""
+    return f"{r['ratio']:.3f} [{r['low']:.3f}, {r['high']:.3f}]" if r["prompts"] else "no sequence with a block"
+
+
+def print_points(curve: dict, block: int | None = None, against: dict | None = None) -> list[dict]:
+    """One row per point of a curve (``curve.json``): the tokens seen, dev τ per block, dev slot acceptance
+    and fit τ at ``block`` (default: the smallest measured), the fit gap, and paired 95% intervals over the
+    sequences of dev and fit τ at ``block`` against the previous point and, with ``against`` (another
+    curve), of dev τ against its point of the same step where both record the same dev sequences (their
+    digest). Returns the rows."""
+    points = curve["points"]
+    if not points:
+        raise SystemExit(f"curve {curve.get('name')!r} has no points yet")
+    blocks = sorted({int(b) for p in points for b in p["dev"]["blocks"]})
+    b = str(blocks[0] if block is None else block)
+    if int(b) not in blocks:
+        raise SystemExit(f"--block {b} was not measured (blocks {blocks})")
+    other = {p["step"]: p for p in (against or {}).get("points", [])}
+    head = ["step", "tokens / response tokens seen"] + [f"dev τ@{w}" for w in blocks]
+    head += [f"dev slot acc 1-3 @{b}", f"fit τ@{b}", f"fit / dev @{b}", f"dev / previous @{b}",
+             f"fit / previous @{b}"]
+    if against is not None:
+        head.append(f"dev / {against.get('name')} @{b}")
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    rows, previous = [], None
+    for p in points:
+        dev, fit = p["dev"]["blocks"].get(b), p["fit"]["blocks"].get(b)
+        row = {"step": p["step"], "tokens_seen": p["tokens_seen"], "response_tokens_seen": p["response_tokens_seen"],
+               "dev_tau": {str(w): p["dev"]["blocks"][str(w)]["tau"] for w in blocks if str(w) in p["dev"]["blocks"]},
+               "fit_tau": None if fit is None else fit["tau"],
+               "dev_vs_previous": None if previous is None else _paired(p, previous, "dev", b, same_run=True),
+               "fit_vs_previous": None if previous is None else _paired(p, previous, "fit", b, same_run=True),
+               "dev_vs_against": _paired(p, other[p["step"]], "dev", b) if p["step"] in other else None}
+        cells = [str(p["step"]), f"{p['tokens_seen']:,} / {p['response_tokens_seen']:,}"]
+        cells += [f"{row['dev_tau'][str(w)]:.3f}" if str(w) in row["dev_tau"] else "" for w in blocks]
+        cells.append(" / ".join(f"{x:.2f}" for x in dev["slot_acceptance"][:3]) if dev else "")
+        cells.append(f"{fit['tau']:.3f}" if fit else "")
+        cells.append(f"{fit['tau'] / dev['tau']:.3f}" if fit and dev else "")
+        cells += [_ratio_cell(row["dev_vs_previous"]), _ratio_cell(row["fit_vs_previous"])]
+        if against is not None:
+            cells.append("no point" if p["step"] not in other else _ratio_cell(row["dev_vs_against"]) or
+                         "not known to be the same sequences")
+        print("| " + " | ".join(cells) + " |")
+        rows.append(row)
+        previous = p
+    return rows
+
+
 def snapshot(source: str, shards: int, dest: str) -> dict:
     """A fixed copy of the first ``shards`` finished shards of prepared data and of their kept features
     where there are any (hard links where the file system allows, copies otherwise) with a manifest that
@@ -557,6 +622,13 @@ def main(argv=None):
     pl.add_argument("curves", nargs="+", help="curve.json files")
     pl.add_argument("--out", required=True, help="the image to write (.png, .svg)")
     pl.add_argument("--block", type=int, default=None, help="the block size to plot (default: the largest measured)")
+    pt = sub.add_parser("points", help="a curve's points as a table, with paired intervals against the previous "
+                                       "point and another curve's")
+    pt.add_argument("curve", help="a curve.json file")
+    pt.add_argument("--block", type=int, default=None, help="the block of the slot, fit and interval columns "
+                                                            "(default: the smallest measured)")
+    pt.add_argument("--against", help="another curve.json, measured on the same dev sequences")
+    pt.add_argument("--out", help="write the rows (with intervals) as JSON")
     t = sub.add_parser("table", help="compare probes' results")
     t.add_argument("results", nargs="+", help="probe.json files")
     t.add_argument("--baseline", default="base")
@@ -584,6 +656,14 @@ def main(argv=None):
         return curve(args)
     if args.command == "plot":
         return plot(args.curves, args.out, args.block)
+    if args.command == "points":
+        curves = []
+        for path in [args.curve] + ([args.against] if args.against else []):
+            with open(path) as f:
+                curves.append(json.load(f))
+        rows = print_points(curves[0], args.block, curves[1] if args.against else None)
+        write_json({"curve": args.curve, "against": args.against, "rows": rows}, args.out)
+        return rows
     results = []
     for path in args.results:
         with open(path) as f:

@@ -189,3 +189,33 @@ def test_a_snapshot_takes_the_kept_features_of_its_shards(prepared, tmp_path):
     recipe_probe.main(["snapshot", str(source), str(tmp_path / "snap"), "--shards", "1"])
     assert sorted(os.listdir(tmp_path / "snap")) == ["eval_prompts.json", "features.json", "manifest.json",
                                                      "shard_00000.features.npy", "shard_00000.npz"]
+
+
+def _point(step, dev_tau, fit_tau, digest="d1"):
+    def measured(taus, digest):
+        block = {"tau": float(np.mean(taus)), "tau_per_sequence": list(taus), "blocks": 10,
+                 "slot_acceptance": [0.5, 0.2, 0.1], "slot_reached": [1, 1, 1]}
+        return {"sequences": len(taus), "blocks": {"4": block}, "draft_vocab_coverage": None,
+                **({"digest": digest} if digest else {})}
+
+    return {"step": step, "tokens_seen": 100 * step, "response_tokens_seen": 60 * step,
+            "dev": measured(dev_tau, digest), "fit": measured(fit_tau, digest and "f1")}
+
+
+def test_points_pair_each_point_with_the_previous_and_another_curve_of_the_same_sequences(capsys):
+    rng = np.random.default_rng(0)
+    dev = 1 + rng.random(20)
+    a = {"name": "a", "points": [_point(200, dev, dev + 0.2), _point(400, dev * 1.1, dev + 0.5)]}
+    rows = recipe_probe.print_points(a, 4, a)
+    assert rows[0]["dev_vs_previous"] is None
+    assert np.isclose(rows[1]["dev_vs_previous"]["ratio"], 1.1)
+    assert rows[1]["dev_vs_previous"]["low"] <= 1.1 <= rows[1]["dev_vs_previous"]["high"]
+    assert np.isclose(rows[1]["dev_vs_against"]["ratio"], 1.0)
+    other = {"name": "b", "points": [_point(400, dev, dev, digest="d2")]}  # other dev sequences: not paired
+    assert [r["dev_vs_against"] for r in recipe_probe.print_points(a, 4, other)] == [None, None]
+    assert "not known to be the same sequences" in capsys.readouterr().out
+    old = {"name": "old", "points": [_point(200, dev, dev, digest=None), _point(400, dev * 1.2, dev, digest=None)]}
+    rows = recipe_probe.print_points(old, 4, a)  # no digests: paired within the curve, not across
+    assert np.isclose(rows[1]["dev_vs_previous"]["ratio"], 1.2) and rows[1]["dev_vs_against"] is None
+    with pytest.raises(SystemExit, match="was not measured"):
+        recipe_probe.print_points(a, 8)
