@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from retrace_jax.errors import DataError
+from retrace_jax.training.feature_store import disk_dtype
 from retrace_jax.io.atomic import write_error
 from retrace_jax.validation import short_repr
 
@@ -389,7 +390,7 @@ def prepare_shards(out_dir: str, prompts_ids: Sequence[Sequence[int]], settings:
             if kept.shape[0] != offsets[-1]:
                 raise ValueError(f"shard {i}: {kept.shape[0]} positions of features for {offsets[-1]} tokens")
             _write_file(kept_features_path(out_dir, i), f".tmp{process_index}.npy",
-                        lambda tmp, kept=kept: np.save(tmp, kept))
+                        lambda tmp, kept=kept: np.save(tmp, kept.view(disk_dtype(kept.dtype))))
             del kept
         path = _shard_path(out_dir, i)
         arrays = {"tokens": tokens, "loss_mask": mask, "offsets": offsets}

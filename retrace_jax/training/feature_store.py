@@ -34,6 +34,7 @@ import json
 import os
 import time
 
+import ml_dtypes
 import numpy as np
 
 META = "meta.json"
@@ -57,6 +58,20 @@ def top_k_key(target_path: str, seq_len: int, dtype, num_sequences: int, precisi
     key = store_key(target_path, (), seq_len, dtype, num_sequences, precision)
     del key["layer_ids"]
     return {**key, "vocab": vocab, "top_k": int(k)}
+
+
+def disk_dtype(dtype) -> np.dtype:
+    """How an array of ``dtype`` is kept in a ``.npy`` file: bfloat16 as its bits (``uint16``), which numpy
+    would otherwise write as an opaque 2-byte type that reads back as no number type."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.uint16) if dtype == np.dtype(ml_dtypes.bfloat16) else dtype
+
+
+def as_dtype(array: np.ndarray, dtype) -> np.ndarray:
+    """``array`` as read from (or opened in) a ``.npy`` file of :func:`disk_dtype` ``dtype``, seen as
+    ``dtype`` (a view: a memory map stays one)."""
+    dtype = np.dtype(dtype)
+    return array if array.dtype == dtype else array.view(dtype)
 
 
 class FeatureStore:
@@ -113,14 +128,14 @@ class FeatureStore:
 
     def _open(self, order: np.ndarray | None = None) -> tuple[int, np.ndarray, list]:
         """``(done, order, arrays)`` to go on filling the store: its files opened for writing (made, with a
-        meta of nothing done, when the store is new). ``order``: the order to fill a new store in (default:
-        by length)."""
+        meta of nothing done, when the store is new). ``order``: the order to fill a new store, or one with
+        nothing done yet, in (default: by length)."""
         os.makedirs(self.dir, exist_ok=True)
         paths = [os.path.join(self.dir, f"{name}.npy") for name in self.arrays]
         meta = self._meta()
         fresh = meta is None or not all(os.path.isfile(p) for p in paths)
-        if not fresh:
-            order = self._order(meta)
+        if not fresh and (order is None or int(meta["done"]) > 0):
+            order = self._order(meta)  # a store with nothing done yet is filled in the order asked for
         elif order is None:
             order = np.argsort(self.lengths, kind="stable")
         self._order_name = "length" if np.array_equal(order, np.argsort(self.lengths, kind="stable")) else "sequence"
@@ -128,12 +143,13 @@ class FeatureStore:
         for path, (width, dtype) in zip(paths, self.arrays.values()):
             shape = (int(self.offsets[-1]), width)
             if fresh:
-                arrays.append(np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape))
+                arrays.append(as_dtype(np.lib.format.open_memmap(path, mode="w+", dtype=disk_dtype(dtype),
+                                                                 shape=shape), dtype))
                 continue
             array = np.lib.format.open_memmap(path, mode="r+")
-            if array.shape != shape or array.dtype != dtype:
-                raise ValueError(f"{path} holds {array.shape} {array.dtype}, expected {shape} {dtype}")
-            arrays.append(array)
+            if array.shape != shape or array.dtype != disk_dtype(dtype):
+                raise ValueError(f"{path} holds {array.shape} {array.dtype}, expected {shape} {disk_dtype(dtype)}")
+            arrays.append(as_dtype(array, dtype))
         if fresh:
             self._write_meta(0)
         return (0 if fresh else int(meta["done"])), order, arrays
@@ -160,7 +176,8 @@ class FeatureStore:
         if self._read is None:
             if self.done < len(self.lengths):
                 raise RuntimeError(f"feature store {self.dir} is not finished ({self.done} of {len(self.lengths)})")
-            self._read = [np.load(os.path.join(self.dir, f"{name}.npy"), mmap_mode="r") for name in self.arrays]
+            self._read = [as_dtype(np.load(os.path.join(self.dir, f"{name}.npy"), mmap_mode="r"), dtype)
+                          for name, (_, dtype) in self.arrays.items()]
         idx = np.asarray(idx)
         width = self.seq_len if width is None else width
         out = []
@@ -258,9 +275,11 @@ def fill_from_kept(store: FeatureStore, data, expected: dict, log=None) -> bool:
             break
         kept = np.load(path, mmap_mode="r")
         need = sum(len(t) for t in data.tokens[j:j + count])
-        if kept.shape != (need, expected["width"]) or kept.dtype != np.dtype(expected["dtype"]):
-            why = f"{path} holds {kept.shape} {kept.dtype}, not ({need}, {expected['width']}) {expected['dtype']}"
+        dtype = np.dtype(expected["dtype"])  # ml_dtypes (imported) names bfloat16
+        if kept.shape != (need, expected["width"]) or kept.dtype != disk_dtype(dtype):
+            why = f"{path} holds {kept.shape} {kept.dtype}, not ({need}, {expected['width']}) {disk_dtype(dtype)}"
             break
+        kept = as_dtype(kept, dtype)
         files.append((j, count, kept))
         j += count
     if why is not None:

@@ -17,6 +17,7 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from retrace_jax.decoding.generation import bucket, generate
@@ -42,6 +43,8 @@ from retrace_jax.training.data import (
     check_prompt_lengths,
     drop_long,
     finish_manifest,
+    finished_shards,
+    kept_features_path,
     iter_prompt_ids,
     load_tokenizer,
     prepare_shards,
@@ -59,7 +62,7 @@ def build_target(cfg, mesh=None):
     """The frozen target (placed on ``mesh`` when given) and its tokenizer (None for the tiny target)."""
     cfg = as_config(cfg)
     if cfg.target == "tiny":
-        target = tiny_target()
+        target = tiny_target(dtype=jnp.dtype(cfg.target_dtype))
         return (shard_model(target, mesh) if mesh is not None else target), None
     return load_target(cfg.target, dtype=cfg.target_dtype, mesh=mesh), load_tokenizer(cfg.target)
 
@@ -147,13 +150,26 @@ def kept_layer_ids(cfg: TrainConfig, num_target_layers: int) -> tuple[int, ...]:
     return tuple(dc.target_layer_ids or default_target_layer_ids(num_target_layers, dc.num_layers))
 
 
-def _check_kept_meta(out: str, meta: dict) -> None:
+def _check_kept_meta(out: str, meta: dict, finished: list[int], num_shards: int, log) -> None:
+    """Refuses (``DataError``) to keep other features than the finished shards of ``out`` kept, while
+    shards remain to regenerate (with none left there is nothing to keep: a warning); warns about finished
+    shards that kept no features, for which training fills the feature store by a target pass."""
     saved = read_kept_meta(out)
     if saved is not None and saved != meta:
         differ = ", ".join(f"{k}: {saved.get(k)!r} then, {meta.get(k)!r} now" for k in sorted(set(saved) | set(meta))
                            if saved.get(k) != meta.get(k))
-        raise DataError(f"{os.path.join(out, KEPT)}: the shards keep other features ({differ}); use a new data "
-                        f"directory, or delete its shard_*.features.npy files and {KEPT} to keep these")
+        if len(finished) < num_shards:
+            raise DataError(f"{os.path.join(out, KEPT)}: the shards keep other features ({differ}); use a new data "
+                            f"directory, or delete its shard_*.features.npy files and {KEPT} to keep these")
+        log({"event": "warning", "message": f"{out} is fully prepared and its shards keep other features than "
+                                            f"data.keep_features asks for ({differ}): training fills the feature "
+                                            f"store by a pass of the target"})
+        return
+    without = [i for i in finished if not os.path.isfile(kept_features_path(out, i))]
+    if without:
+        log({"event": "warning", "message": f"{len(without)} finished shard(s) of {out} (the first: {without[0]}) kept "
+                                            f"no features (prepared without data.keep_features): training fills "
+                                            f"the feature store by a pass of the target, not from the kept features"})
 
 
 def _prepare(cfg: TrainConfig, log) -> str:
@@ -179,7 +195,13 @@ def _prepare(cfg: TrainConfig, log) -> str:
         layers = kept_layer_ids(cfg, target.cfg.num_layers)
         kept = kept_features_meta(cfg.target, layers, target.dtype, cfg.target_precision,
                                   len(layers) * target.cfg.hidden_size)
-        _check_kept_meta(out, kept)
+        num_shards = -(-len(train_ids) // d.shard_size)
+        manifest = {"done": []}
+        if os.path.isfile(os.path.join(out, MANIFEST)):
+            with open(os.path.join(out, MANIFEST)) as f:
+                manifest = json.load(f)
+        finished = finished_shards(out, manifest, num_shards) if os.path.isdir(out) else []
+        _check_kept_meta(out, kept, finished, num_shards, log)
     if pid == 0:
         os.makedirs(out, exist_ok=True)
         _write_eval_prompts(eval_path, eval_ids)

@@ -110,3 +110,49 @@ def test_a_store_begun_in_sequence_order_resumes_in_that_order(tmp_path):
     done = store(tmp_path).build(lambda t: (computed.append(t[:, 0].tolist()), features_of(t))[1], rows_of, 2)
     assert computed == [[200, 300], [400, 0]]  # sequences 2 and 3, then 4 (and a padding row)
     np.testing.assert_array_equal(done[range(5)], store(tmp_path / "new").build(features_of, rows_of, 2)[range(5)])
+
+
+def test_a_store_with_nothing_done_is_filled_in_the_order_asked_for(tmp_path):
+    """A copy in sequence order that stopped before its first record resumes in sequence order: the meta
+    of a store with nothing done yet does not impose the default length order on it."""
+    s = store(tmp_path)
+    done, order, arrays = s._open(np.arange(len(LENGTHS)))
+    del arrays
+    assert done == 0 and s._order_name == "sequence"
+    again = store(tmp_path)
+    done, order, arrays = again._open(np.arange(len(LENGTHS)))
+    del arrays
+    assert order.tolist() == list(range(len(LENGTHS))) and again._order_name == "sequence"
+    with open(os.path.join(again.dir, "meta.json")) as f:
+        assert json.load(f)["order"] == "sequence"
+
+
+def test_a_bfloat16_store_reads_back_as_bfloat16_and_resumes(tmp_path):
+    """numpy has no bfloat16 of its own: the store keeps the bits (uint16 on disk) and reads them back as
+    ml_dtypes' bfloat16, also when an interrupted fill reopens the file."""
+    import ml_dtypes
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    key = store_key(tmp_path / "target", [1, 2], 10, bf16, len(LENGTHS))
+
+    def values(tokens):
+        return features_of(tokens).astype(bf16)
+
+    calls = []
+
+    def failing(tokens):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return values(tokens)
+
+    with pytest.raises(KeyboardInterrupt):
+        FeatureStore(str(tmp_path), key, LENGTHS, 2).build(failing, rows_of, batch_size=2)
+    s = FeatureStore(str(tmp_path), key, LENGTHS, 2).build(values, rows_of, batch_size=2)
+    assert np.load(os.path.join(s.dir, "features.npy"), mmap_mode="r").dtype == np.uint16
+    got = s[[3, 0]]
+    assert got.dtype == bf16
+    want = values(rows_of([3, 0]))
+    for r, i in enumerate([3, 0]):
+        n = min(10, LENGTHS[i])
+        np.testing.assert_array_equal(got[r, :n].astype(np.float32), want[r, :n].astype(np.float32))

@@ -104,15 +104,80 @@ def test_a_shard_without_kept_features_sends_the_store_to_a_pass(tmp_path):
     assert [e["computed"] for e in events if e["event"] == "feature_cache"] == [len(data)]
 
 
+def stop_before_last_shard(out):
+    os.remove(os.path.join(out, "shard_00002.npz"))  # as if it stopped before the last shard
+    with open(os.path.join(out, "manifest.json")) as f:
+        manifest = json.load(f)
+    manifest["done"] = [0, 1]
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+
+
+def prepare_logged(cfg):
+    from retrace_jax.training.prepare import prepare as run
+
+    events = []
+    run(cfg, log=events.append)
+    return [e["message"] for e in events if e.get("event") == "warning"]
+
+
 def test_a_resumed_preparation_refuses_other_kept_layers(tmp_path):
     out = prepare(config(tmp_path))
-    os.remove(os.path.join(out, "shard_00002.npz"))  # as if it stopped before the last shard
+    stop_before_last_shard(out)
     cfg = config(tmp_path)
     cfg["drafter"]["target_layer_ids"] = [1, 2]
     with pytest.raises(DataError, match="keep other features"):
         prepare(cfg)
 
 
+def test_finished_data_with_other_kept_layers_is_used_with_a_warning(tmp_path):
+    """With every shard finished nothing is left to keep: other layers only send the store to a pass."""
+    out = prepare(config(tmp_path))
+    def contents():  # the shards, their kept features, features.json (the manifest is rewritten as it was)
+        return {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out) if f != "manifest.json"}
+
+    before = contents()
+    cfg = config(tmp_path)
+    cfg["drafter"]["target_layer_ids"] = [1, 2]
+    warnings = prepare_logged(cfg)
+    assert len(warnings) == 1 and "fully prepared" in warnings[0] and "layer_ids" in warnings[0], warnings
+    assert contents() == before
+
+
+def test_shards_finished_without_kept_features_are_named_at_preparation(tmp_path):
+    out = prepare(config(tmp_path, keep_features=False))
+    stop_before_last_shard(out)
+    warnings = prepare_logged(config(tmp_path))
+    assert len(warnings) == 1 and "2 finished shard(s)" in warnings[0] and "kept no features" in warnings[0], warnings
+    assert os.path.isfile(kept_features_path(out, 2)) and not os.path.isfile(kept_features_path(out, 0))
+
+
 def test_kept_features_need_plain_regeneration(tmp_path):
     with pytest.raises(ConfigError, match="keep_features"):
         as_config(config(tmp_path, drafter=str(tmp_path / "drafter")))
+
+
+def test_bfloat16_kept_features_fill_a_bfloat16_store(tmp_path):
+    """A bfloat16 target keeps bfloat16 features: written as their bits, copied into the store as bfloat16."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    cfg = config(tmp_path)
+    cfg["target_dtype"] = "bfloat16"
+    out = prepare(cfg)
+    with open(os.path.join(out, KEPT)) as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+    target, data = tiny_target(dtype=jnp.bfloat16), SequenceData(out, seq_len=16)
+    events = []
+    store = stores(data, target, out, events)[0]
+    assert [e.get("source") for e in events if e["event"] == "feature_cache"] == ["prepared"], events
+    got = store.get(range(len(data)))
+    assert got.dtype == np.dtype(ml_dtypes.bfloat16)
+    at = 0
+    for i, shard in enumerate(sorted(f for f in os.listdir(out) if f.endswith(".features.npy"))):
+        kept = np.load(os.path.join(out, shard)).view(ml_dtypes.bfloat16)
+        first = len(data.tokens[4 * i])
+        np.testing.assert_array_equal(got[4 * i, :first].astype(np.float32), kept[:first].astype(np.float32))
+        at += kept.shape[0]
+    assert at == sum(len(t) for t in data.tokens)
+    assert np.abs(got.astype(np.float32)).max() > 0
