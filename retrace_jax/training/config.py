@@ -255,6 +255,10 @@ class TrainSection(Section):
         "rule), uniform, reach (the drafter's probability of getting slots 1..k-1 all right: the first error gets "
         "the weight) or expected_length (the gradient of the log expected accepted length, D-PACE's direction); "
         "the last two from the drafter's own label probabilities, without gradient", "gamma")
+    loss_positions: Literal["response", "all"] = doc(
+        "DFlash: where blocks are anchored and labelled: response (the target's regenerated tokens) or all (every "
+        "position after a sequence's first, the prompt's too, whose labels are the prompt's own tokens, not the "
+        "target's: more labels from the same data and the same features)", "response")
     distill_topk: NonNegativeInt = doc(
         "DFlash: > 0 trains each drafted slot on the target's next-token distribution as well (soft labels): its "
         "top distill_topk tokens over the drafter's head vocabulary (the draft vocabulary, or the whole), "
@@ -356,6 +360,8 @@ class TrainConfig(Section):
                        f"{self.target_dtype} target computes in {self.target_dtype} (target_dtype)")
         if t.slot_weights != "gamma" and t.objective != "dflash":
             out.append(f"train.slot_weights: {t.slot_weights} serves the dflash objective only")
+        if t.loss_positions != "response" and t.objective != "dflash":
+            out.append(f"train.loss_positions: {t.loss_positions} serves the dflash objective only")
         if t.distill_topk and t.objective != "dflash":
             out.append("train.distill_topk: serves the dflash objective only")
         if not dr.init:  # the target's vocabulary, and a checkpoint's draft vocabulary: preflight checks them

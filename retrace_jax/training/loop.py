@@ -182,6 +182,7 @@ def run_settings(cfg: TrainConfig, drafter, num_sequences: int) -> dict:
         "block_size": drafter_cfg.block_size,
         "slot_weights": t.slot_weights, "schedule": t.schedule, "length_buckets": t.length_buckets,
         "distill_topk": t.distill_topk, "distill_weight": t.distill_weight if t.distill_topk else None,
+        "loss_positions": t.loss_positions,
         # the features' products: the store's follow target_precision, the step's are JAX's default
         "feature_precision": cfg.target_precision if t.feature_cache else "float32",
         "decay_frac": t.decay_frac if t.schedule == "constant" else None,
@@ -249,17 +250,25 @@ def _warning(log):
 
 
 def global_batch(data: SequenceData, step: int, batch_size: int, seed: int, mesh, features=(),
-                 bucketed: tuple[int, int] | None = None):
+                 bucketed: tuple[int, int] | None = None, loss_positions: str = "response"):
     """The arrays of batch ``step``, sharded over the data axes; each process fills only its own rows:
     the tokens, the loss mask and every array of the stores ``features`` (``train.feature_cache``:
     :func:`~retrace_jax.training.evaluate.cached_features`). ``bucketed`` (``train.length_buckets``:
     ``(block_size, num_anchors)``): batches of similar lengths, each as wide as it needs
-    (:meth:`SequenceData.width`). Also ``(tokens, response_tokens)``: the batch's real tokens and its
-    loss-mask positions (every process builds the whole batch's host rows, so these are global)."""
+    (:meth:`SequenceData.width`). ``loss_positions`` (``train.loss_positions``): "all" hands the step a loss
+    mask of every real position after each sequence's first instead of the response positions. Also
+    ``(tokens, response_tokens)``: the batch's real tokens and its response positions (every process builds
+    the whole batch's host rows, so these are global)."""
     idx = data.indices(step, batch_size, seed, bucketed is not None)
     width = data.width(idx, *bucketed) if bucketed else None
     tokens, mask, lengths = data.rows(idx, width)
-    host = [tokens, mask] + [x for store in features for x in store.get_all(idx, width)]
+    loss_mask = mask
+    if loss_positions == "all":
+        pos = np.arange(tokens.shape[1])[None, :]
+        loss_mask = ((pos >= 1) & (pos < lengths[:, None])).astype(mask.dtype)
+    elif loss_positions != "response":
+        raise ValueError(f"loss_positions is 'response' or 'all', got {loss_positions!r}")
+    host = [tokens, loss_mask] + [x for store in features for x in store.get_all(idx, width)]
     arrays = [jax.make_array_from_callback(x.shape, batch_sharding(mesh, x.ndim), lambda i, x=x: x[i]) for x in host]
     return arrays, (int(lengths.sum()), int(np.count_nonzero(mask)))
 
@@ -412,7 +421,8 @@ def _run(cfg: TrainConfig, setup: _Setup, eval_ids, ckpts, start, log) -> dict:
 
     try:
         while step < t.steps:
-            batch, (tokens, response) = global_batch(data, step, t.batch_size, t.seed, mesh, features, bucketed)
+            batch, (tokens, response) = global_batch(data, step, t.batch_size, t.seed, mesh, features, bucketed,
+                                                      t.loss_positions)
             drafter_state, opt_state, metrics = step_fn(target_state, drafter_state, opt_state, batch[0], batch[1],
                                                         jnp.int32(step), jnp.uint32(t.seed), *batch[2:])
             step += 1

@@ -573,6 +573,13 @@ def test_resume_with_other_settings_is_refused_before_anything_is_restored(works
     assert sorted(os.listdir(os.path.join(dflash_run[0], "checkpoints"))) == before
 
 
+def test_resume_with_other_loss_positions_is_refused(workspace, dflash_run, capsys):
+    root, config = workspace
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={dflash_run[0]}", "--set",
+                                            "train.loss_positions=all"])
+    assert message.startswith("error: ") and "loss_positions: 'response' then, 'all' now" in message, message
+
+
 def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(workspace, tmp_path, capsys):
     root, config = workspace
     out = tmp_path / "diverged"
