@@ -20,13 +20,14 @@ import json
 import logging
 import os
 import time
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from retrace_jax.errors import DataError
-from retrace_jax.training.feature_store import disk_dtype
 from retrace_jax.io.atomic import write_error
+from retrace_jax.training.feature_store import disk_dtype
 from retrace_jax.validation import short_repr
 
 MANIFEST = "manifest.json"
