@@ -11,9 +11,12 @@
 # does. Resumable at every level: rerunning the same command trains on from the last checkpoint and measures
 # only the points still missing, in another session too. At the end it writes the curve's result and plot.
 # With --all it trains the same recipe on all 4,096 prepared sequences (4x the data; its own draft vocabulary,
-# fit set and feature store) into runs/probes/long4096, the test of whether more data moves held-out τ; the
-# plot then draws both curves.
-#   pip install -e '.[assets,bench]' && bash scripts/qwen25coder05_long.sh [--all]
+# fit set and feature store) into runs/probes/long4096, the test of whether more data moves held-out τ; with
+# --shards N on a fixed snapshot of the first N shards (N x 128 sequences, runs/probe_data_N) into
+# runs/probes/longM (M sequences), a point between; the plot draws every curve present. Further
+# --set KEY=VALUE arguments go after the recipe's (train.precision=float32 where bfloat16 products do not pay:
+# benchmarks/products.py); a curve must resume with the same ones.
+#   pip install -e '.[assets,bench]' && bash scripts/qwen25coder05_long.sh [--all | --shards N] [--set KEY=VALUE ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=configs/qwen25coder05_probe.yaml
@@ -21,24 +24,41 @@ OUT=results/qwen2.5-coder-0.5b-instruct
 SNAP=runs/probe_data_8
 NAME=long
 CURVE=tau_curve.json
+usage() { echo "usage: $0 [--all | --shards N] [--set KEY=VALUE ...]" >&2; exit 2; }
 if [ "${1:-}" = "--all" ]; then
     SNAP=runs/qwen25coder05_code_data_bf16
     NAME=long4096
     CURVE=tau_curve_4096.json
-elif [ $# -gt 0 ]; then
-    echo "usage: $0 [--all]" >&2
-    exit 2
+    shift
+elif [ "${1:-}" = "--shards" ]; then
+    [[ "${2:-}" =~ ^[1-9][0-9]*$ ]] || usage
+    SNAP=runs/probe_data_$2
+    NAME=long$(( $2 * 128 ))
+    CURVE=tau_curve_$(( $2 * 128 )).json
+    SHARDS=$2
+    shift 2
 fi
+EXTRA=()
+while [ $# -gt 0 ]; do
+    [ "$1" = "--set" ] && [ $# -ge 2 ] || usage
+    EXTRA+=(--set "$2")
+    shift 2
+done
 RECIPE="drafter.init_qk_norm=target drafter.attention_bias=true drafter.init_final_norm=true
         drafter.block_size=4 train.num_anchors=64 train.slot_weights=expected_length
         train.schedule=constant train.steps=4000 train.length_buckets=true train.precision=bfloat16"
-if [ ! -f runs/probe_data_8/manifest.json ]; then
+if [ -n "${SHARDS:-}" ]; then
+    # a snapshot needs only its first shards finished (the preparation may still be going on)
+    if [ ! -f "$SNAP/manifest.json" ]; then
+        python benchmarks/recipe_probe.py snapshot runs/qwen25coder05_code_data_bf16 "$SNAP" --shards "$SHARDS"
+    fi
+elif [ ! -f runs/probe_data_8/manifest.json ]; then
     bash scripts/qwen25coder05_probes.sh --prepare-only  # all 32 shards, and the snapshot of the first 8
 fi
 sets=(--set "data.dir=$SNAP")
 for o in $RECIPE; do sets+=(--set "$o"); done
-python benchmarks/recipe_probe.py curve "$NAME" --config "$CONFIG" "${sets[@]}" --every 200
+python benchmarks/recipe_probe.py curve "$NAME" --config "$CONFIG" "${sets[@]}" "${EXTRA[@]}" --every 200
 cp "runs/probes/$NAME/curve.json" "$OUT/$CURVE"
 curves=()
-for f in tau_curve.json tau_curve_4096.json; do if [ -f "$OUT/$f" ]; then curves+=("$OUT/$f"); fi; done
+for f in "$OUT"/tau_curve.json "$OUT"/tau_curve_[0-9]*.json; do if [ -f "$f" ]; then curves+=("$f"); fi; done
 python benchmarks/recipe_probe.py plot "${curves[@]}" --block 4 --out docs/qwen25coder05_tau_curve.png
