@@ -24,7 +24,9 @@ A feature store can also be filled without a target pass, from the features that
 ``features.json``, :func:`kept_features_meta`) when they are those the store's key asks for
 (:func:`fill_from_kept`): a copy, in sequence order, resumable like a pass. The generation computed those
 features a prompt chunk or a token at a time, a pass computes them over whole sequences: the same values to
-float rounding, so both fill the same store.
+float rounding, so both fill the same store (with bfloat16 products the rounding differs by about 1e-3 of
+the features' RMS, more at single positions: two stores of the same key made the two ways are close, not
+equal; runs compared with each other should share one).
 """
 
 from __future__ import annotations
