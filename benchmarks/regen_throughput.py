@@ -25,6 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import retrace_jax as rj  # noqa: E402
+from benchmarks.products import cpu_description  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
 from retrace_jax.training.data import chat_encoder, iter_prompt_ids, load_tokenizer, read_prompts  # noqa: E402
 from retrace_jax.models.layers import bfloat16_kernels, product_precision  # noqa: E402
@@ -97,7 +98,7 @@ def main(argv=None):
     result = {
         "target": os.path.abspath(args.target), "prompts": len(ids), "max_new_tokens": args.max_new_tokens,
         "runs": args.runs, "layers": list(layers), "backend": jax.default_backend(), "jax": jax.__version__,
-        "precisions": rows,
+        **cpu_description(), "precisions": rows,
         "regen_speedup": rows["bfloat16"]["regen_tokens_per_s"] / rows["float32"]["regen_tokens_per_s"],
         "feature_speedup": rows["float32"]["feature_s"] / rows["bfloat16"]["feature_s"],
         "rows_differing": sum(d is not None for d in diffs),

@@ -32,6 +32,10 @@ if [ "${1:-}" = "--all" ]; then
     shift
 elif [ "${1:-}" = "--shards" ]; then
     [[ "${2:-}" =~ ^[1-9][0-9]*$ ]] || usage
+    if [ "$2" -eq 8 ] || [ "$2" -ge 32 ]; then
+        echo "$0: --shards $2 is the default run (8) or more than a snapshot (32 and more: --all)" >&2
+        exit 2
+    fi
     SNAP=runs/probe_data_$2
     NAME=long$(( $2 * 128 ))
     CURVE=tau_curve_$(( $2 * 128 )).json
@@ -57,7 +61,7 @@ elif [ ! -f runs/probe_data_8/manifest.json ]; then
 fi
 sets=(--set "data.dir=$SNAP")
 for o in $RECIPE; do sets+=(--set "$o"); done
-python benchmarks/recipe_probe.py curve "$NAME" --config "$CONFIG" "${sets[@]}" "${EXTRA[@]}" --every 200
+python benchmarks/recipe_probe.py curve "$NAME" --config "$CONFIG" "${sets[@]}" ${EXTRA[@]+"${EXTRA[@]}"} --every 200
 cp "runs/probes/$NAME/curve.json" "$OUT/$CURVE"
 curves=()
 for f in "$OUT"/tau_curve.json "$OUT"/tau_curve_[0-9]*.json; do if [ -f "$f" ]; then curves+=("$f"); fi; done

@@ -62,18 +62,33 @@ def top_k_key(target_path: str, seq_len: int, dtype, num_sequences: int, precisi
     return {**key, "vocab": vocab, "top_k": int(k)}
 
 
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+OPAQUE_2 = np.dtype("V2")  # what numpy writes for bfloat16 (files made before disk_dtype): the same bits
+
+
 def disk_dtype(dtype) -> np.dtype:
     """How an array of ``dtype`` is kept in a ``.npy`` file: bfloat16 as its bits (``uint16``), which numpy
     would otherwise write as an opaque 2-byte type that reads back as no number type."""
     dtype = np.dtype(dtype)
-    return np.dtype(np.uint16) if dtype == np.dtype(ml_dtypes.bfloat16) else dtype
+    return np.dtype(np.uint16) if dtype == BFLOAT16 else dtype
+
+
+def on_disk_as(found: np.dtype, dtype) -> bool:
+    """Whether a ``.npy`` file of dtype ``found`` holds values of ``dtype``: :func:`disk_dtype`'s, or for
+    bfloat16 also the opaque type that numpy wrote for it before."""
+    dtype = np.dtype(dtype)
+    return found == disk_dtype(dtype) or (dtype == BFLOAT16 and found == OPAQUE_2)
 
 
 def as_dtype(array: np.ndarray, dtype) -> np.ndarray:
     """``array`` as read from (or opened in) a ``.npy`` file of :func:`disk_dtype` ``dtype``, seen as
-    ``dtype`` (a view: a memory map stays one)."""
+    ``dtype`` (a view: a memory map stays one). Raises ``ValueError`` for an array of another dtype."""
     dtype = np.dtype(dtype)
-    return array if array.dtype == dtype else array.view(dtype)
+    if array.dtype == dtype:
+        return array
+    if not on_disk_as(array.dtype, dtype):
+        raise ValueError(f"an array of {array.dtype} does not hold {dtype} values")
+    return array.view(dtype)
 
 
 class FeatureStore:
@@ -149,7 +164,7 @@ class FeatureStore:
                                                                  shape=shape), dtype))
                 continue
             array = np.lib.format.open_memmap(path, mode="r+")
-            if array.shape != shape or array.dtype != disk_dtype(dtype):
+            if array.shape != shape or not on_disk_as(array.dtype, dtype):
                 raise ValueError(f"{path} holds {array.shape} {array.dtype}, expected {shape} {disk_dtype(dtype)}")
             arrays.append(as_dtype(array, dtype))
         if fresh:
@@ -278,7 +293,7 @@ def fill_from_kept(store: FeatureStore, data, expected: dict, log=None) -> bool:
         kept = np.load(path, mmap_mode="r")
         need = sum(len(t) for t in data.tokens[j:j + count])
         dtype = np.dtype(expected["dtype"])  # ml_dtypes (imported) names bfloat16
-        if kept.shape != (need, expected["width"]) or kept.dtype != disk_dtype(dtype):
+        if kept.shape != (need, expected["width"]) or not on_disk_as(kept.dtype, dtype):
             why = f"{path} holds {kept.shape} {kept.dtype}, not ({need}, {expected['width']}) {disk_dtype(dtype)}"
             break
         kept = as_dtype(kept, dtype)
@@ -291,7 +306,12 @@ def fill_from_kept(store: FeatureStore, data, expected: dict, log=None) -> bool:
         return False
     start = time.perf_counter()
     store._source = "prepared"
-    done, _, (array,) = store._open(np.arange(n))
+    done, order, (array,) = store._open(np.arange(n))
+    if done and not np.array_equal(order, np.arange(n)):
+        # a copy that an earlier release recorded in length order: its sequences are in sequence order,
+        # its meta says otherwise; copy again from the first (a copy is cheap)
+        done, store._order_name = 0, "sequence"
+        store._write_meta(0)
     first = done
     for j, count, kept in files:
         if j + count <= done:

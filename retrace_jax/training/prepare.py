@@ -154,6 +154,11 @@ def _check_kept_meta(out: str, meta: dict, finished: list[int], num_shards: int,
     """Refuses (``DataError``) to keep other features than the finished shards of ``out`` kept, while
     shards remain to regenerate (with none left there is nothing to keep: a warning); warns about finished
     shards that kept no features, for which training fills the feature store by a target pass."""
+    without = [i for i in finished if not os.path.isfile(kept_features_path(out, i))]
+    if without:
+        log({"event": "warning", "message": f"{len(without)} finished shard(s) of {out} (the first: {without[0]}) kept "
+                                            f"no features (prepared without data.keep_features): training fills "
+                                            f"the feature store by a pass of the target, not from the kept features"})
     saved = read_kept_meta(out)
     if saved is not None and saved != meta:
         differ = ", ".join(f"{k}: {saved.get(k)!r} then, {meta.get(k)!r} now" for k in sorted(set(saved) | set(meta))
@@ -164,12 +169,6 @@ def _check_kept_meta(out: str, meta: dict, finished: list[int], num_shards: int,
         log({"event": "warning", "message": f"{out} is fully prepared and its shards keep other features than "
                                             f"data.keep_features asks for ({differ}): training fills the feature "
                                             f"store by a pass of the target"})
-        return
-    without = [i for i in finished if not os.path.isfile(kept_features_path(out, i))]
-    if without:
-        log({"event": "warning", "message": f"{len(without)} finished shard(s) of {out} (the first: {without[0]}) kept "
-                                            f"no features (prepared without data.keep_features): training fills "
-                                            f"the feature store by a pass of the target, not from the kept features"})
 
 
 def _prepare(cfg: TrainConfig, log) -> str:

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from retrace_jax.training.feature_store import FeatureStore, store_key
+from retrace_jax.training.feature_store import FeatureStore, as_dtype, store_key
 
 LENGTHS = [5, 9, 3, 12, 7]  # sequence 3 is longer than seq_len 10 and is cut
 SEQ = [np.arange(100 * i, 100 * i + n, dtype=np.int32) for i, n in enumerate(LENGTHS)]
@@ -113,18 +113,51 @@ def test_a_store_begun_in_sequence_order_resumes_in_that_order(tmp_path):
 
 
 def test_a_store_with_nothing_done_is_filled_in_the_order_asked_for(tmp_path):
-    """A copy in sequence order that stopped before its first record resumes in sequence order: the meta
-    of a store with nothing done yet does not impose the default length order on it."""
+    """A store that a pass made (length order) but filled nothing of is filled in the order its next user
+    asks for, and records it: the meta of a store with nothing done does not impose its order."""
     s = store(tmp_path)
-    done, order, arrays = s._open(np.arange(len(LENGTHS)))
+    _, order, arrays = s._open()  # as a pass opens it
     del arrays
-    assert done == 0 and s._order_name == "sequence"
+    assert not np.array_equal(order, np.arange(len(LENGTHS)))  # LENGTHS are not sorted
     again = store(tmp_path)
-    done, order, arrays = again._open(np.arange(len(LENGTHS)))
+    done, order, arrays = again._open(np.arange(len(LENGTHS)))  # as a copy from kept features opens it
     del arrays
-    assert order.tolist() == list(range(len(LENGTHS))) and again._order_name == "sequence"
+    assert done == 0 and order.tolist() == list(range(len(LENGTHS)))
+    again._write_meta(0)
     with open(os.path.join(again.dir, "meta.json")) as f:
         assert json.load(f)["order"] == "sequence"
+
+
+def test_a_copy_recorded_in_length_order_is_copied_again(tmp_path):
+    """fill_from_kept copies in sequence order. A store whose meta says it copied some sequences in length
+    order (an earlier release's record) is copied again from the first, not resumed."""
+    from types import SimpleNamespace
+
+    from retrace_jax.training.feature_store import KEPT, fill_from_kept, kept_features_meta
+
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    expected = kept_features_meta(tmp_path / "target", [1, 2], np.float32, "float32", 2)
+    (data_dir / KEPT).write_text(json.dumps(expected))
+    features = [features_of(seq[None])[0] for seq in SEQ]  # every position, past seq_len too
+    np.save(data_dir / "shard_00000.features.npy", np.concatenate(features))
+    data = SimpleNamespace(dir=str(data_dir), shards=[(0, len(LENGTHS))], tokens=SEQ)
+    s = store(tmp_path)
+    _, _, arrays = s._open()
+    arrays[0][:] = -1.0  # what the stale copy left
+    arrays[0].flush()
+    del arrays
+    s._order_name, s._source = "length", "prepared"
+    s._write_meta(3)
+    events = []
+    assert fill_from_kept(store(tmp_path), data, expected, events.append)
+    assert events[-1]["copied"] == len(LENGTHS), events
+    got = store(tmp_path)[range(len(LENGTHS))]
+    for i, n in enumerate(LENGTHS):
+        np.testing.assert_array_equal(got[i, :min(n, 10)], features[i][:10])
+    with open(os.path.join(s.dir, "meta.json")) as f:
+        meta = json.load(f)
+    assert meta["order"] == "sequence" and meta["done"] == len(LENGTHS) and meta["source"] == "prepared"
 
 
 def test_a_bfloat16_store_reads_back_as_bfloat16_and_resumes(tmp_path):
@@ -152,6 +185,15 @@ def test_a_bfloat16_store_reads_back_as_bfloat16_and_resumes(tmp_path):
     assert np.load(os.path.join(s.dir, "features.npy"), mmap_mode="r").dtype == np.uint16
     got = s[[3, 0]]
     assert got.dtype == bf16
+    # a finished store written before (numpy's opaque two-byte type, the same bits) reads and reopens alike
+    path = os.path.join(s.dir, "features.npy")
+    np.save(path, np.load(path).view(bf16))
+    assert np.load(path).dtype == np.dtype("V2")
+    old = FeatureStore(str(tmp_path), key, LENGTHS, 2)
+    np.testing.assert_array_equal(old[[3, 0]].astype(np.float32), got.astype(np.float32))
+    del old._open()[2][0]
+    with pytest.raises(ValueError, match="does not hold"):
+        as_dtype(np.zeros(3, np.float16), bf16)
     want = values(rows_of([3, 0]))
     for r, i in enumerate([3, 0]):
         n = min(10, LENGTHS[i])

@@ -580,6 +580,25 @@ def test_resume_with_other_loss_positions_is_refused(workspace, dflash_run, caps
     assert message.startswith("error: ") and "loss_positions: 'response' then, 'all' now" in message, message
 
 
+def test_loss_positions_reach_every_batch_of_a_run(workspace, tmp_path, monkeypatch):
+    from retrace_jax.training import loop
+
+    root, config = workspace
+    batch, seen = loop.global_batch, []
+
+    def spy(*args, **kwargs):
+        arrays, counts = batch(*args, **kwargs)
+        seen.append((args[7] if len(args) > 7 else kwargs.get("loss_positions"), np.asarray(arrays[1]).copy(), counts))
+        return arrays, counts
+
+    monkeypatch.setattr(loop, "global_batch", spy)
+    train.main(["--config", config, "--set", f"out={tmp_path / 'all'}", "--set", "train.steps=2", "--set",
+                "train.loss_positions=all", "--set", "train.checkpoint_every=2"])
+    assert [s[0] for s in seen] == ["all", "all"]
+    for _, mask, (tokens, response) in seen:
+        assert int(mask.sum()) == tokens - mask.shape[0] > response  # every real position but each first
+
+
 def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(workspace, tmp_path, capsys):
     root, config = workspace
     out = tmp_path / "diverged"
