@@ -30,7 +30,6 @@ from retrace_jax.models.tiny import TINY_QWEN3, tiny_target
 from retrace_jax.parallel.distributed import barrier
 from retrace_jax.parallel.placement import shard_model
 from retrace_jax.training.config import TrainConfig, as_config
-from retrace_jax.training.feature_store import KEPT, kept_features_meta, read_kept_meta
 from retrace_jax.training.data import (
     MANIFEST,
     UNRECORDED,
@@ -41,16 +40,19 @@ from retrace_jax.training.data import (
     chat_encoder,
     check_manifest,
     check_prompt_lengths,
+    describe_differences,
     drop_long,
     finish_manifest,
     finished_shards,
-    kept_features_path,
     iter_prompt_ids,
+    kept_features_path,
     load_tokenizer,
     prepare_shards,
     read_prompts,
+    settings_differences,
     unrecorded,
 )
+from retrace_jax.training.feature_store import KEPT, kept_features_meta, read_kept_meta
 from retrace_jax.training.lock import run_lock
 
 
@@ -161,8 +163,7 @@ def _check_kept_meta(out: str, meta: dict, finished: list[int], num_shards: int,
                                             f"the feature store by a pass of the target, not from the kept features"})
     saved = read_kept_meta(out)
     if saved is not None and saved != meta:
-        differ = ", ".join(f"{k}: {saved.get(k)!r} then, {meta.get(k)!r} now" for k in sorted(set(saved) | set(meta))
-                           if saved.get(k) != meta.get(k))
+        differ = describe_differences(settings_differences(saved, meta))
         if len(finished) < num_shards:
             raise DataError(f"{os.path.join(out, KEPT)}: the shards keep other features ({differ}); use a new data "
                             f"directory, or delete its shard_*.features.npy files and {KEPT} to keep these")
@@ -187,7 +188,7 @@ def _prepare(cfg: TrainConfig, log) -> str:
     settings = dataclasses.replace(settings, num_prompts=len(train_ids))
     target_id = target_identity(cfg)
     eval_path = os.path.join(out, "eval_prompts.json")
-    check_manifest(out, settings, target_id)  # every process checks (and fails alike) before any writes
+    manifest = check_manifest(out, settings, target_id)  # every process checks (and fails alike) before any writes
     _check_eval_prompts(eval_path, eval_ids)
     layers, kept = None, None
     if d.keep_features:
@@ -195,11 +196,7 @@ def _prepare(cfg: TrainConfig, log) -> str:
         kept = kept_features_meta(cfg.target, layers, target.dtype, cfg.target_precision,
                                   len(layers) * target.cfg.hidden_size)
         num_shards = -(-len(train_ids) // d.shard_size)
-        manifest = {"done": []}
-        if os.path.isfile(os.path.join(out, MANIFEST)):
-            with open(os.path.join(out, MANIFEST)) as f:
-                manifest = json.load(f)
-        finished = finished_shards(out, manifest, num_shards) if os.path.isdir(out) else []
+        finished = finished_shards(out, manifest or {"done": []}, num_shards) if os.path.isdir(out) else []
         _check_kept_meta(out, kept, finished, num_shards, log)
     if pid == 0:
         os.makedirs(out, exist_ok=True)
