@@ -34,7 +34,7 @@ from pydantic import (
 
 from retrace_jax.errors import ConfigError
 from retrace_jax.models.drafter import INIT_FC, BlockSize
-from retrace_jax.models.retrace import Fusion, Hints, Mixture, Signals, Slots, ZeroStart
+from retrace_jax.models.retrace import Fusion, Hints, Mixture, ReTraceConfig, Signals, Slots, ZeroStart
 from retrace_jax.parallel.sharding import parse_mesh_spec
 from retrace_jax.training.retrace_loss import CORRECTION_SOURCES
 from retrace_jax.training.dflash_loss import SLOT_WEIGHTS
@@ -391,6 +391,18 @@ class TrainConfig(Section):
     @property
     def data_dir(self) -> str:
         return self.data.dir or os.path.join(self.out, "data")
+
+
+def new_drafter_args(cfg: TrainConfig, target_vocab_size: int) -> dict:
+    """The keyword arguments of :func:`~retrace_jax.models.drafter.init_drafter` and
+    :func:`~retrace_jax.models.drafter.drafter_config` for the new drafter that ``cfg``'s ``drafter`` and
+    ``retrace`` sections describe (the mask token defaults to the target's last id): the one reading of those
+    keys that preflight, preparation (which features to keep), the memory estimate and training share."""
+    dc = cfg.drafter
+    retrace = ReTraceConfig(**cfg.retrace.to_dict()) if cfg.train.objective == "retrace" else None
+    return dict(mask_token_id=dc.mask_token_id if dc.mask_token_id is not None else target_vocab_size - 1,
+                num_layers=dc.num_layers, block_size=dc.block_size, target_layer_ids=dc.target_layer_ids,
+                intermediate_size=dc.intermediate_size, retrace=retrace, attention_bias=bool(dc.attention_bias))
 
 
 def anchor_room(num_anchors: int, seq_len: int, block_size: int, block_key: str) -> list[str]:

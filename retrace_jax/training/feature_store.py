@@ -269,7 +269,7 @@ def fill_from_kept(store: FeatureStore, data, expected: dict, log=None) -> bool:
     target, layers, dtype and precision) and every shard has them; resumes a copy that stopped. Returns
     whether it filled the store; where it cannot (other features, a shard without them, a store that a
     target pass began), ``log`` gets a warning with the reason and the store is left to the pass."""
-    from retrace_jax.training.data import kept_features_path
+    from retrace_jax.training.data import describe_differences, kept_features_path
 
     n = len(store.lengths)
     if store.done >= n:
@@ -279,8 +279,10 @@ def fill_from_kept(store: FeatureStore, data, expected: dict, log=None) -> bool:
         return False
     why, files = None, []
     if meta != expected:
-        differ = sorted(k for k in set(meta) | set(expected) if meta.get(k) != expected.get(k))
-        why = f"they differ from what the store needs in {', '.join(differ)}"
+        # a key on one side only differs too (settings_differences compares shared keys only)
+        differ = {k: (meta.get(k), expected.get(k)) for k in sorted(set(meta) | set(expected))
+                  if meta.get(k) != expected.get(k)}
+        why = f"they differ from what the store needs ({describe_differences(differ)})"
     begun = store._meta()
     if why is None and begun is not None and int(begun.get("done", 0)) > 0 and begun.get("source") != "prepared":
         why = f"{store.dir} was begun by a target pass"

@@ -38,12 +38,11 @@ from retrace_jax.models.drafter import (
     init_layers_from_target,
     with_draft_vocab,
 )
-from retrace_jax.models.retrace import ReTraceConfig
 from retrace_jax.parallel.distributed import agree_any, initialize
 from retrace_jax.parallel.placement import shard_model
 from retrace_jax.parallel.sharding import batch_sharding, make_mesh
 from retrace_jax.training.checkpoints import Checkpoints
-from retrace_jax.training.config import TrainConfig, anchor_room, as_config, head_room
+from retrace_jax.training.config import TrainConfig, anchor_room, as_config, head_room, new_drafter_args
 from retrace_jax.training.data import SequenceData, describe_differences, settings_differences, spread_indices
 from retrace_jax.training.evaluate import cached_features, evaluate, export_drafter
 from retrace_jax.training.lock import run_lock
@@ -66,15 +65,11 @@ def build_drafter(cfg, target, mesh, data: SequenceData | None = None, log=None)
     gets the most frequent response tokens of ``data`` (over the shards of every process)."""
     cfg = as_config(cfg)
     t, dc = cfg.train, cfg.drafter
-    retrace = ReTraceConfig(**cfg.retrace.to_dict()) if t.objective == "retrace" else None
+    args = new_drafter_args(cfg, target.cfg.vocab_size)
     if dc.init:
-        drafter = load_drafter(dc.init, target, retrace=retrace, mesh=mesh)
+        drafter = load_drafter(dc.init, target, retrace=args["retrace"], mesh=mesh)
     else:
-        mask_id = dc.mask_token_id if dc.mask_token_id is not None else target.cfg.vocab_size - 1
-        drafter = init_drafter(target.cfg, mask_token_id=mask_id, num_layers=dc.num_layers, block_size=dc.block_size,
-                               target_layer_ids=dc.target_layer_ids, intermediate_size=dc.intermediate_size,
-                               attention_bias=bool(dc.attention_bias),
-                               retrace=retrace, seed=t.seed)
+        drafter = init_drafter(target.cfg, **args, seed=t.seed)
         check_drafter_matches(drafter.cfg, target.cfg)
         if dc.init_layers is not None:
             neurons = qk_scales = None

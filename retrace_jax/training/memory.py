@@ -20,10 +20,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from retrace_jax.io.weights import model_specs
 from retrace_jax.models.config import ModelConfig
 from retrace_jax.models.drafter import init_drafter
-from retrace_jax.models.retrace import ReTraceConfig
 from retrace_jax.models.target import abstract_target
 from retrace_jax.parallel.sharding import batch_sharding, named_sharding
-from retrace_jax.training.config import TrainConfig
+from retrace_jax.training.config import TrainConfig, new_drafter_args
 from retrace_jax.training.loop import optimizer_for, step_options
 from retrace_jax.training.step import make_train_step, opt_state_shardings
 
@@ -52,14 +51,10 @@ def _abstract(module, mesh):
 def abstract_step(cfg: TrainConfig, target_cfg: ModelConfig, mesh=None):
     """The jitted train step of ``cfg`` and abstract arguments for it (target of shapes ``target_cfg``,
     the drafter of the ``drafter`` section, the optimizer state, a global batch). Nothing is allocated."""
-    dc, t = cfg.drafter, cfg.train
-    retrace = ReTraceConfig(**cfg.retrace.to_dict()) if t.objective == "retrace" else None
-    mask_id = dc.mask_token_id if dc.mask_token_id is not None else target_cfg.vocab_size - 1
+    t = cfg.train
     target = abstract_target(target_cfg, dtype=jnp.dtype(cfg.target_dtype))
-    drafter = nnx.eval_shape(lambda: init_drafter(target_cfg, mask_token_id=mask_id, num_layers=dc.num_layers,
-                                                  block_size=dc.block_size, target_layer_ids=dc.target_layer_ids,
-                                                  intermediate_size=dc.intermediate_size, retrace=retrace,
-                                                  attention_bias=bool(dc.attention_bias)))
+    args = new_drafter_args(cfg, target_cfg.vocab_size)
+    drafter = nnx.eval_shape(lambda: init_drafter(target_cfg, **args))
     target_def, target_state = _abstract(target, mesh)
     drafter_def, drafter_state = _abstract(drafter, mesh)
     optimizer = optimizer_for(cfg)

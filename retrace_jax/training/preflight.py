@@ -20,10 +20,9 @@ import jax
 from retrace_jax.errors import ConfigError
 from retrace_jax.models.config import ModelConfig, read_config
 from retrace_jax.models.drafter import DrafterConfig, check_drafter_matches, drafter_config
-from retrace_jax.models.retrace import ReTraceConfig
 from retrace_jax.models.tiny import TINY_QWEN3
 from retrace_jax.parallel.sharding import check_divisible, make_mesh
-from retrace_jax.training.config import TrainConfig, anchor_room, as_config, head_room
+from retrace_jax.training.config import TrainConfig, anchor_room, as_config, head_room, new_drafter_args
 from retrace_jax.training.data import MANIFEST
 
 # drafter keys that describe a new drafter -> DrafterConfig fields; with drafter.init, those given must
@@ -113,14 +112,10 @@ def _drafter(cfg: TrainConfig, target: ModelConfig) -> list[str]:
         out += anchor_room(cfg.train.num_anchors, cfg.train.seq_len, stored.block_size, f"drafter.init {dc.init}")
         return out + head_room(cfg.train.distill_topk, stored.draft_vocab_size, target.vocab_size,
                                f"drafter.init {dc.init}")
-    retrace = ReTraceConfig(**cfg.retrace.to_dict()) if cfg.train.objective == "retrace" else None
-    mask = dc.mask_token_id if dc.mask_token_id is not None else target.vocab_size - 1
     try:
         with warnings.catch_warnings():  # repeated layer ids: warned about when the drafter is built
             warnings.simplefilter("ignore")
-            drafter_config(target, mask_token_id=mask, num_layers=dc.num_layers, block_size=dc.block_size,
-                           target_layer_ids=dc.target_layer_ids, intermediate_size=dc.intermediate_size,
-                           retrace=retrace, attention_bias=bool(dc.attention_bias))
+            drafter_config(target, **new_drafter_args(cfg, target.vocab_size))
     except ConfigError as err:
         out.append(f"drafter: {err}")
     bad = [i for i in dc.init_layers or () if i >= target.num_layers]

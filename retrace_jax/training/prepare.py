@@ -24,12 +24,12 @@ from retrace_jax.decoding.generation import bucket, generate
 from retrace_jax.io.checkpoints import load_drafter, load_target
 from retrace_jax.io.digest import file_sha256
 from retrace_jax.models.config import read_config_json
-from retrace_jax.models.drafter import DrafterConfig, default_target_layer_ids
+from retrace_jax.models.drafter import DrafterConfig, drafter_config
 from retrace_jax.models.layers import bfloat16_kernels, product_precision
 from retrace_jax.models.tiny import TINY_QWEN3, tiny_target
 from retrace_jax.parallel.distributed import barrier
 from retrace_jax.parallel.placement import shard_model
-from retrace_jax.training.config import TrainConfig, as_config
+from retrace_jax.training.config import TrainConfig, as_config, new_drafter_args
 from retrace_jax.training.data import (
     MANIFEST,
     UNRECORDED,
@@ -143,13 +143,13 @@ def check_prepared(cfg, log=print, settings: PrepareSettings | None = None) -> P
 
 
 
-def kept_layer_ids(cfg: TrainConfig, num_target_layers: int) -> tuple[int, ...]:
-    """The target layers whose features the configuration's drafter reads: ``drafter.init``'s, or
-    ``drafter.target_layer_ids`` (the official default when null), as training will build it."""
-    dc = cfg.drafter
-    if dc.init:
-        return tuple(DrafterConfig.from_hf(read_config_json(dc.init)).target_layer_ids)
-    return tuple(dc.target_layer_ids or default_target_layer_ids(num_target_layers, dc.num_layers))
+def kept_layer_ids(cfg: TrainConfig, target_cfg) -> tuple[int, ...]:
+    """The target layers whose features the configuration's drafter reads: ``drafter.init``'s, or those of
+    the new drafter training will build for ``target_cfg`` (``drafter.target_layer_ids``, the official
+    default when null)."""
+    if cfg.drafter.init:
+        return tuple(DrafterConfig.from_hf(read_config_json(cfg.drafter.init)).target_layer_ids)
+    return tuple(drafter_config(target_cfg, **new_drafter_args(cfg, target_cfg.vocab_size)).target_layer_ids)
 
 
 def _check_kept_meta(out: str, meta: dict, finished: list[int], num_shards: int, log) -> None:
@@ -192,7 +192,7 @@ def _prepare(cfg: TrainConfig, log) -> str:
     _check_eval_prompts(eval_path, eval_ids)
     layers, kept = None, None
     if d.keep_features:
-        layers = kept_layer_ids(cfg, target.cfg.num_layers)
+        layers = kept_layer_ids(cfg, target.cfg)
         kept = kept_features_meta(cfg.target, layers, target.dtype, cfg.target_precision,
                                   len(layers) * target.cfg.hidden_size)
         num_shards = -(-len(train_ids) // d.shard_size)
