@@ -64,7 +64,7 @@ def test_a_tiny_top_p_keeps_only_the_most_likely_token(top_p, top_k):
         np.testing.assert_allclose(got[row][top], -np.log(top.size), atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_a_tiny_top_p_samples_as_greedy_decoding(dtype):
     """rj.generate(..., temperature=1.0, top_p=1e-40) returned token 0 everywhere. A tiny top_p keeps the
     tokens of the largest logit, as top_k=1 does: the same tokens for the same seed. That is greedy

@@ -110,7 +110,9 @@ def test_plain_greedy_equals_each_prompt_alone(tiny):
     assert out.acceptance_lengths == [[1] * len(t) for t in out.tokens]
 
 
-@pytest.mark.parametrize("settings", [dict(temperature=1.0, seed=5), dict(temperature=0.7, top_k=20, top_p=0.9, seed=1)])
+@pytest.mark.parametrize("settings", [dict(temperature=1.0, seed=5),
+                                      pytest.param(dict(temperature=0.7, top_k=20, top_p=0.9, seed=1),
+                                                   marks=pytest.mark.slow)])
 def test_plain_sampling_keeps_each_prompts_stream_whatever_its_slot(tiny, settings):
     """Sampled tokens are those of the static batch (row i's stream is prompt i's), for every number of
     slots: a prompt draws the same samples in whichever slot and round it starts."""
@@ -160,7 +162,8 @@ def test_speculative_greedy_refills_after_every_position_of_a_round(qwen3, train
 
 
 @pytest.mark.parametrize("settings", [dict(), dict(temperature=1.0, seed=2),
-                                      dict(temperature=1.0, seed=2, draft_rule="sample")])
+                                      pytest.param(dict(temperature=1.0, seed=2, draft_rule="sample"),
+                                                   marks=pytest.mark.slow)])
 def test_speculative_stream_equals_the_static_batch(qwen3, trained_drafter, settings):
     """Greedy and sampled speculative decoding through 2 and 5 slots: the static batch's tokens and
     acceptance lengths, prompt by prompt (the last prompt included), with stop tokens."""

@@ -40,7 +40,7 @@ def check_features(target, prompts, out, layers):
         np.testing.assert_allclose(f, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
 
 
-@pytest.mark.parametrize("slots, rounds_per_call", [(3, 64), (4, 2)])
+@pytest.mark.parametrize("slots, rounds_per_call", [pytest.param(3, 64, marks=pytest.mark.slow), (4, 2)])
 def test_kept_features_are_those_of_a_forward_pass(tiny, slots, rounds_per_call):
     """Prompts of one to several prefill passes (64 tokens a pass), stop tokens that end some responses
     early, refills of one row and of all rows; with two rounds a call, prompts finish in one call and

@@ -194,11 +194,18 @@ def test_two_rounds_compute_the_two_round_rollout(qwen3, rollout_case, source):
     np.testing.assert_allclose(float(loss), float(m2.loss) + 0.25 * float(m1.loss), rtol=1e-6)
 
 
-@pytest.mark.parametrize("case,source,rounds", [
+ROLLOUT_CASES = [
     ("rollout_case", "verify", 2), ("rollout_case", "verify", 4), ("rollout_case", "teacher", 2),
     ("rollout_case", "teacher", 4), ("rollout_case_agreed", "verify", 4), ("rollout_case_agreed", "teacher", 4),
     ("rollout_case_keys", "verify", 4), ("rollout_case_keys", "teacher", 4), ("rollout_case_hints", "verify", 4),
-    ("rollout_case_hints", "teacher", 4), ("rollout_case_mixture", "verify", 4), ("rollout_case_mixture", "teacher", 4)])
+    ("rollout_case_hints", "teacher", 4), ("rollout_case_mixture", "verify", 4), ("rollout_case_mixture", "teacher", 4)]
+
+
+# By default each memory variant against the verify pass, and the teacher source on the plain memory
+# only (the variants read the source the same way); `pytest -m slow` runs the other teacher cases.
+@pytest.mark.parametrize("case,source,rounds", [
+    c if c[0] == "rollout_case" or c[1] == "verify" else pytest.param(*c, marks=pytest.mark.slow)
+    for c in ROLLOUT_CASES])
 def test_rollout_equals_inference_rounds(qwen3, request, case, source, rounds):
     """The training rollout against ``rounds`` real inference rounds (``speculative_round`` through the
     stepper), every anchor a row whose prompt is the sequence up to it: the anchors, ``a``, the drafter's
