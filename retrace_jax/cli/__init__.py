@@ -48,7 +48,8 @@ TRAIN_ERRORS = USER_ERRORS + (ArithmeticError, KeyError)
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 EXIT_CLOSED_PIPE = 128 + 13  # SIGPIPE (signal.SIGPIPE does not exist on Windows)
-_process = {"owned": False, "interrupted": False}  # set by script and by run_main on Ctrl-C
+# owned: set by script; pending: a Ctrl-C arrived (script's handler); interrupted: run_main caught it
+_process = {"owned": False, "pending": False, "interrupted": False}
 TRACEBACK_VARIABLE = "RETRACE_JAX_TRACEBACK"
 FLAG_VALUES = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False, "": False}
 
@@ -74,7 +75,26 @@ def script(main: Callable) -> None:
     _process["owned"] = True
     atexit.register(_end_interrupted)  # before JAX is imported: exit functions run last registered first
     sys.unraisablehook = _redeliver_interrupts(sys.unraisablehook)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where SIGINT is ignored (cmd &)
+        signal.signal(signal.SIGINT, _on_interrupt)
     main()
+
+
+def _on_interrupt(signum, frame):
+    """SIGINT's handler in a process that :func:`script` owns: Python's own (a ``KeyboardInterrupt``
+    where the main thread is), remembering that it came, for :func:`raise_if_interrupted`."""
+    _process["pending"] = True
+    raise KeyboardInterrupt
+
+
+def raise_if_interrupted() -> None:
+    """Raises ``KeyboardInterrupt`` again where a Ctrl-C arrived and was swallowed: JAX's tracing has bare
+    ``except:`` clauses (shape checks that try ``operator.index``), and an interrupt that lands inside one
+    is lost, so decoding or training went on. The commands call it between their steps; it does nothing
+    while the interrupt is still on its way out (inside the ``finally`` and ``except`` blocks it passes
+    through), nor once :func:`run_main` has caught it, nor in a process that :func:`script` does not own."""
+    if _process["pending"] and not _process["interrupted"] and sys.exc_info()[0] is None:
+        raise KeyboardInterrupt
 
 
 def _redeliver_interrupts(hook):

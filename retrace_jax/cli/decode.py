@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 # Only the standard library at the top: --help and a bad flag answer before JAX is imported (run imports
 # it once the arguments are checked).
-from retrace_jax.cli import compilation_cache, run_main
+from retrace_jax.cli import compilation_cache, raise_if_interrupted, run_main
 
 DEMO_MODEL = "qwen2.5-coder-0.5b-instruct"
 
@@ -114,6 +114,7 @@ def timed_generate(target, ids, label: str, runs: int, **kwargs):
     with compile_seconds() as stages:
         rj.generate(target, [ids], **kwargs)
     first_s = time.perf_counter() - start
+    raise_if_interrupted()
     detail = (f", of which compiling {sum(stages.values()):.1f} s (trace {stages.get('trace', 0):.1f}, "
               f"lower {stages.get('lower', 0):.1f}, XLA {stages.get('xla', 0):.1f})") if stages else ""
     print(f" {first_s:.1f} s{detail}", flush=True)
@@ -123,6 +124,7 @@ def timed_generate(target, ids, label: str, runs: int, **kwargs):
         start = time.perf_counter()
         out = rj.generate(target, [ids], **kwargs)
         times.append(time.perf_counter() - start)
+        raise_if_interrupted()
     median_s = statistics.median(times)
     compile_s = sum(stages.values()) if stages else max(first_s - median_s, 0.0)
     return out, first_s, compile_s, median_s

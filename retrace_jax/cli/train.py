@@ -32,7 +32,7 @@ import os
 import signal
 import sys
 
-from retrace_jax.cli import TRAIN_ERRORS, compilation_cache, run_main
+from retrace_jax.cli import TRAIN_ERRORS, compilation_cache, raise_if_interrupted, run_main
 
 
 def parse_args(argv=None):
@@ -88,7 +88,8 @@ def run(args):
     if args.stage == "export":  # prints only: the run's own log files stay the run's
         return export_checkpoint(cfg, args.step, MetricsLog(None))
     with run_lock(cfg.out):  # one run at a time in OUT, refused before anything is written
-        log = MetricsLog(cfg.out, cfg.train.tensorboard)
+        # a Ctrl-C that JAX swallowed is raised again at the next record (preparation and training log often)
+        log = MetricsLog(cfg.out, cfg.train.tensorboard, before_record=raise_if_interrupted)
         try:
             if needs_preparing(cfg, args.stage):
                 prepare(cfg, log)

@@ -9,6 +9,7 @@ import math
 import os
 import shutil
 import sys
+from typing import Callable
 
 import jax
 import numpy as np
@@ -121,10 +122,13 @@ class MetricsLog:
     (``tensorboard``: true, false, or auto = when tensorboardX is installed). Other processes print
     only (prefixed with their index) so that one file holds the run. ``out=None`` prints only, leaving a
     run's files alone (``train.py --stage export``). A record ``{"event": "warning", "message": ...}`` is
-    printed as one ``warning: ...`` line on stderr instead."""
+    printed as one ``warning: ...`` line on stderr instead. ``before_record`` is called before each record
+    (``train.py`` raises a swallowed Ctrl-C there)."""
 
-    def __init__(self, out: str | None, tensorboard: bool | str = "auto", echo: bool = True):
+    def __init__(self, out: str | None, tensorboard: bool | str = "auto", echo: bool = True,
+                 before_record: Callable[[], None] | None = None):
         self.echo, self.metrics, self.writer, self._open_writer = echo, None, None, None
+        self.before_record = before_record
         self.process = jax.process_index()
         if self.process != 0 or out is None:
             return
@@ -143,6 +147,8 @@ class MetricsLog:
             self._open_writer = lambda: SummaryWriter(logdir=os.path.join(out, "tensorboard"))
 
     def __call__(self, record: dict) -> None:
+        if self.before_record is not None:
+            self.before_record()
         line = json.dumps(record)
         if record.get("event") == "warning":  # for people: one line on stderr (and the record in the file)
             if self.process == 0:

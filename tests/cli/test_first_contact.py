@@ -275,6 +275,73 @@ def test_an_interrupt_that_lands_in_a_gc_callback_is_not_lost():
     assert (run.returncode, run.stdout, run.stderr) == (130, "", "interrupted\n")
 
 
+SWALLOWED_INTERRUPT = """
+import os, signal, sys, time
+from retrace_jax.cli import raise_if_interrupted, run_main, script
+
+def run(argv):
+    try:  # as JAX's tracing does around operator.index: a bare except where the interrupt lands
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(2)
+    except:
+        pass
+    try:
+        raise_if_interrupted()  # a command's next step
+    finally:
+        raise_if_interrupted()  # on the interrupt's way out: it stays the same interrupt
+        print("cleaned up")
+    print("the interrupt was lost")
+
+script(lambda: run_main(run))
+"""
+
+
+def test_an_interrupt_that_a_bare_except_swallowed_is_raised_at_the_next_step():
+    """A Ctrl-C while decode.py compiled was lost now and then: it landed inside one of the bare
+    ``except:`` clauses of JAX's tracing, and decoding went on to time every method."""
+    run = _python(["-c", SWALLOWED_INTERRUPT])
+    assert (run.returncode, run.stdout, run.stderr) == (130, "cleaned up\n", "interrupted\n")
+
+
+def _swallowed_interrupt(monkeypatch):
+    """As if a Ctrl-C had come (script's handler records it) and something had swallowed it."""
+    monkeypatch.setitem(cli._process, "interrupted", False)  # run_main in earlier tests of this process set it
+    monkeypatch.setitem(cli._process, "pending", True)
+
+
+def test_decode_raises_a_swallowed_interrupt_after_the_compiling_call(monkeypatch, capsys):
+    import retrace_jax as rj
+
+    real = rj.generate
+
+    def generate(*args, **kwargs):  # the first call compiles; an interrupt there was swallowed
+        out = real(*args, **kwargs)
+        _swallowed_interrupt(monkeypatch)
+        return out
+
+    monkeypatch.setattr(rj, "generate", generate)
+    monkeypatch.delenv("RETRACE_JAX_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        decode.main(["--target", "tiny", "--max-new-tokens", "8"])
+    out, err = capsys.readouterr()
+    assert (exit_.value.code, err) == (cli.EXIT_INTERRUPTED, "interrupted\n") and "timing" not in out
+
+
+def test_train_raises_a_swallowed_interrupt_at_its_next_record(monkeypatch, capsys, tmp_path):
+    from retrace_jax.training import prepare
+
+    def preparing(cfg, log):
+        _swallowed_interrupt(monkeypatch)
+        log({"event": "prepared"})
+        raise AssertionError("the record went through")
+
+    monkeypatch.setattr(prepare, "prepare", preparing)
+    monkeypatch.delenv("RETRACE_JAX_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["--config", CONFIG, "--set", f"out={tmp_path / 'run'}"])
+    assert exit_.value.code == cli.EXIT_INTERRUPTED and capsys.readouterr().err == "interrupted\n"
+
+
 # ------------------------------------------------------------------------------------ C: closed or full stdout
 
 def _with_closed_stdout(args):
