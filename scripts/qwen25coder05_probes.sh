@@ -50,6 +50,7 @@ STAGE2=(
     "copy-wide drafter.intermediate_size=4864"
     "copy-fcmean drafter.init_fc=mean"
     "copy-bf16 train.precision=bfloat16"
+    "copy-allpos train.loss_positions=all"
 )
 PROBES=("${STAGE1[@]}")
 for line in "${STAGE2[@]}"; do
