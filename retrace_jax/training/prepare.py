@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -149,7 +150,9 @@ def kept_layer_ids(cfg: TrainConfig, target_cfg) -> tuple[int, ...]:
     default when null)."""
     if cfg.drafter.init:
         return tuple(DrafterConfig.from_hf(read_config_json(cfg.drafter.init)).target_layer_ids)
-    return tuple(drafter_config(target_cfg, **new_drafter_args(cfg, target_cfg.vocab_size)).target_layer_ids)
+    with warnings.catch_warnings():  # repeated layer ids: warned about when the drafter is built
+        warnings.simplefilter("ignore")
+        return tuple(drafter_config(target_cfg, **new_drafter_args(cfg, target_cfg.vocab_size)).target_layer_ids)
 
 
 def _check_kept_meta(out: str, meta: dict, finished: list[int], num_shards: int, log) -> None:
