@@ -15,8 +15,9 @@
 # --shards N on a fixed snapshot of the first N shards (N x 128 sequences, runs/probe_data_N) into
 # runs/probes/longM (M sequences), a point between; the plot draws every curve present. Further
 # --set KEY=VALUE arguments go after the recipe's (train.precision=float32 where bfloat16 products do not pay:
-# benchmarks/products.py); a curve must resume with the same ones.
-#   pip install -e '.[assets,bench]' && bash scripts/qwen25coder05_long.sh [--all | --shards N] [--set KEY=VALUE ...]
+# benchmarks/products.py); a curve must resume with the same ones. --tag T names a variant of the run (a lever
+# tried on the long run's data and steps): runs/probes/NAME-T and results .../tau_curve[_M]_T.json.
+#   pip install -e '.[assets,bench]' && bash scripts/qwen25coder05_long.sh [--all | --shards N] [--tag T] [--set KEY=VALUE ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=configs/qwen25coder05_probe.yaml
@@ -24,7 +25,7 @@ OUT=results/qwen2.5-coder-0.5b-instruct
 SNAP=runs/probe_data_8
 NAME=long
 CURVE=tau_curve.json
-usage() { echo "usage: $0 [--all | --shards N] [--set KEY=VALUE ...]" >&2; exit 2; }
+usage() { echo "usage: $0 [--all | --shards N] [--tag T] [--set KEY=VALUE ...]" >&2; exit 2; }
 if [ "${1:-}" = "--all" ]; then
     SNAP=runs/qwen25coder05_code_data_bf16
     NAME=long4096
@@ -40,6 +41,12 @@ elif [ "${1:-}" = "--shards" ]; then
     NAME=long$(( $2 * 128 ))
     CURVE=tau_curve_$(( $2 * 128 )).json
     SHARDS=$2
+    shift 2
+fi
+if [ "${1:-}" = "--tag" ]; then
+    [[ "${2:-}" =~ ^[a-z0-9][a-z0-9-]*$ ]] || usage
+    NAME=$NAME-$2
+    CURVE=${CURVE%.json}_$2.json
     shift 2
 fi
 EXTRA=()
