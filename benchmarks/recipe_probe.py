@@ -260,7 +260,8 @@ def curve(args) -> dict:
     each measures the checkpoint's drafter as ``run`` measures a probe, on the same dev and fit sets. Each
     point (its step, the tokens and response tokens seen since step 0, dev and fit τ per block with their
     per-sequence values, the slot acceptances) goes to ``ROOT/NAME/curve.json`` as soon as it is measured,
-    so rerunning the same command goes on where it stopped, in another session too."""
+    so rerunning the same command goes on where it stopped, in another session too. ``--until STEP`` stops
+    after the points up to STEP: a lever compared with another curve at its first points."""
     import shutil
 
     import train as train_cli
@@ -292,7 +293,7 @@ def curve(args) -> dict:
         with open(path) as f:
             points = json.load(f)["points"]
     done = {p["step"] for p in points}
-    todo = [s for s in curve_points(t.steps, args.every) if s not in done]
+    todo = [s for s in curve_points(t.steps, args.every) if s not in done and (args.until is None or s <= args.until)]
     train_args = ["--config", args.config] + [x for s in sets_args for x in ("--set", s)]
     data = SequenceData(cfg.data_dir, t.seq_len)
     blocks = [int(b) for b in args.blocks.split(",")]
@@ -618,6 +619,8 @@ def main(argv=None):
     c.add_argument("name", help="the run's name: its directory under --root")
     c.add_argument("--every", type=int, required=True, help="measure after every this many steps (and the last)")
     c.add_argument("--keep-drafters", action="store_true", help="keep each measured drafter (OUT/drafter_stepN)")
+    c.add_argument("--until", type=int, default=None, metavar="STEP",
+                   help="stop after the points up to STEP (a rerun without it, or with a later one, goes on)")
     pl = sub.add_parser("plot", help="plot curves (curve.json files): dev and fit tau against steps and tokens seen")
     pl.add_argument("curves", nargs="+", help="curve.json files")
     pl.add_argument("--out", required=True, help="the image to write (.png, .svg)")

@@ -16,8 +16,10 @@
 # runs/probes/longM (M sequences), a point between; the plot draws every curve present. Further
 # --set KEY=VALUE arguments go after the recipe's (train.precision=float32 where bfloat16 products do not pay:
 # benchmarks/products.py); a curve must resume with the same ones. --tag T names a variant of the run (a lever
-# tried on the long run's data and steps): runs/probes/NAME-T and results .../tau_curve[_M]_T.json.
-#   pip install -e '.[assets,bench]' && bash scripts/qwen25coder05_long.sh [--all | --shards N] [--tag T] [--set KEY=VALUE ...]
+# tried on the long run's data and steps): runs/probes/NAME-T, its curve in results/.../levers/, left out of
+# the plot (scripts/qwen25coder05_levers.sh tables them); --until STEP stops after the points up to STEP
+# (rerun without it to go on).
+#   pip install -e '.[assets,bench]' && bash scripts/qwen25coder05_long.sh [--all | --shards N] [--tag T] [--until STEP] [--set KEY=VALUE ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=configs/qwen25coder05_probe.yaml
@@ -25,7 +27,7 @@ OUT=results/qwen2.5-coder-0.5b-instruct
 SNAP=runs/probe_data_8
 NAME=long
 CURVE=tau_curve.json
-usage() { echo "usage: $0 [--all | --shards N] [--tag T] [--set KEY=VALUE ...]" >&2; exit 2; }
+usage() { echo "usage: $0 [--all | --shards N] [--tag T] [--until STEP] [--set KEY=VALUE ...]" >&2; exit 2; }
 if [ "${1:-}" = "--all" ]; then
     SNAP=runs/qwen25coder05_code_data_bf16
     NAME=long4096
@@ -43,10 +45,18 @@ elif [ "${1:-}" = "--shards" ]; then
     SHARDS=$2
     shift 2
 fi
+TAG=
 if [ "${1:-}" = "--tag" ]; then
     [[ "${2:-}" =~ ^[a-z0-9][a-z0-9-]*$ ]] || usage
-    NAME=$NAME-$2
-    CURVE=${CURVE%.json}_$2.json
+    TAG=$2
+    NAME=$NAME-$TAG
+    CURVE=levers/${CURVE%.json}_$TAG.json
+    shift 2
+fi
+UNTIL=()
+if [ "${1:-}" = "--until" ]; then
+    [[ "${2:-}" =~ ^[1-9][0-9]*$ ]] || usage
+    UNTIL=(--until "$2")
     shift 2
 fi
 EXTRA=()
@@ -68,8 +78,11 @@ elif [ ! -f runs/probe_data_8/manifest.json ]; then
 fi
 sets=(--set "data.dir=$SNAP")
 for o in $RECIPE; do sets+=(--set "$o"); done
-python benchmarks/recipe_probe.py curve "$NAME" --config "$CONFIG" "${sets[@]}" ${EXTRA[@]+"${EXTRA[@]}"} --every 200
+python benchmarks/recipe_probe.py curve "$NAME" --config "$CONFIG" "${sets[@]}" ${EXTRA[@]+"${EXTRA[@]}"} --every 200 \
+    ${UNTIL[@]+"${UNTIL[@]}"}
+mkdir -p "$OUT/levers"
 cp "runs/probes/$NAME/curve.json" "$OUT/$CURVE"
+if [ -n "$TAG" ]; then exit 0; fi
 curves=()
 for f in "$OUT"/tau_curve.json "$OUT"/tau_curve_[0-9]*.json; do if [ -f "$f" ]; then curves+=("$f"); fi; done
 python benchmarks/recipe_probe.py plot "${curves[@]}" --block 4 --out docs/qwen25coder05_tau_curve.png

@@ -71,8 +71,10 @@ def test_a_curve_trains_in_segments_measures_each_and_resumes(prepared, tmp_path
               "--set", "train.checkpoint_every=6"]
     assert recipe_probe.curve_points(12, 5) == [5, 10, 12] and recipe_probe.curve_points(12, 6) == [6, 12]
     base = recipe_probe.main(["run", "base", *common])
-    c = recipe_probe.main(["curve", "long", *common, "--every", "5"])
-    assert [p["step"] for p in c["points"]] == [5, 10, 12]
+    early = recipe_probe.main(["curve", "long", *common, "--every", "5", "--until", "9"])
+    assert [p["step"] for p in early["points"]] == [5]
+    c = recipe_probe.main(["curve", "long", *common, "--every", "5"])  # goes on from step 5
+    assert [p["step"] for p in c["points"]] == [5, 10, 12] and c["points"][0] == early["points"][0]
     last = c["points"][-1]
     assert last["dev"] == base["dev"] and last["fit"] == base["fit"]  # segments resume exactly
     logged = [r for r in recipe_probe._records(str(tmp_path / "long")) if r.get("step") == 12 and "loss" in r]
