@@ -66,6 +66,7 @@ def test_kept_features_of_prompts_that_their_first_token_ends(tiny):
     check_features(tiny, prompts, out, layers)
 
 
+@pytest.mark.slow  # about 15 s; greedy streams keep features in the default run
 def test_sampled_tokens_are_the_same_with_kept_features(tiny):
     prompts = prompts_of([6, 30, 11, 50, 3, 19], seed=2)
     kwargs = dict(slots=2, temperature=0.9, top_k=40, seed=3)

@@ -170,6 +170,7 @@ def test_retrace_from_the_dflash_checkpoint(workspace, dflash_run):
     assert not any("eval_tau_memory_off" in r for r in _records(dflash_run[0]))  # no memory, no second τ
 
 
+@pytest.mark.slow  # a non-default fusion (about 25 s); its rollout is checked against inference by default
 def test_retrace_with_the_keys_fusion_trains_the_drafter_itself(workspace, dflash_run):
     """``retrace.fusion: keys`` (an ablation): no fusion module; the memory's target features reach the
     drafter's attention, so the rollout's later rounds train the drafter's own weights through them."""
