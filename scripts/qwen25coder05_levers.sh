@@ -3,8 +3,9 @@
 # the long run"): the 2,048-sequence run (scripts/qwen25coder05_long.sh --shards 16, float32 products) is the
 # baseline, and each lever below trains the same recipe with one change to the same step (--until, 200 by
 # default; the same data and learning rate as the baseline's first steps, and as many drafted slots a step),
-# measured on the same dev and fit sequences, so every row is paired with the baseline's point of that step. Resumable: a lever
-# measured already is skipped, one interrupted resumes from its checkpoint, and a later --until goes on.
+# measured on the same dev and fit sequences, so every row is paired with the baseline's point of that step.
+# Resumable: a lever measured already is skipped, one interrupted resumes from its checkpoint, and a later
+# --until goes on.
 #   pip install -e '.[assets,bench]' && bash scripts/qwen25coder05_levers.sh [--until STEP] [NAME ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -80,7 +80,7 @@ sets=(--set "data.dir=$SNAP")
 for o in $RECIPE; do sets+=(--set "$o"); done
 python benchmarks/recipe_probe.py curve "$NAME" --config "$CONFIG" "${sets[@]}" ${EXTRA[@]+"${EXTRA[@]}"} --every 200 \
     ${UNTIL[@]+"${UNTIL[@]}"}
-mkdir -p "$OUT/levers"
+mkdir -p "$(dirname "$OUT/$CURVE")"
 cp "runs/probes/$NAME/curve.json" "$OUT/$CURVE"
 if [ -n "$TAG" ]; then exit 0; fi
 curves=()
