@@ -33,7 +33,7 @@ from pydantic import (
 )
 
 from retrace_jax.errors import ConfigError
-from retrace_jax.models.drafter import INIT_FC, BlockSize
+from retrace_jax.models.drafter import INIT_FC, BlockSize, DrafterConfig, drafter_config
 from retrace_jax.models.retrace import Fusion, Hints, Mixture, ReTraceConfig, Signals, Slots, ZeroStart
 from retrace_jax.parallel.sharding import parse_mesh_spec
 from retrace_jax.training.retrace_loss import CORRECTION_SOURCES
@@ -403,6 +403,15 @@ def new_drafter_args(cfg: TrainConfig, target_vocab_size: int) -> dict:
     return dict(mask_token_id=dc.mask_token_id if dc.mask_token_id is not None else target_vocab_size - 1,
                 num_layers=dc.num_layers, block_size=dc.block_size, target_layer_ids=dc.target_layer_ids,
                 intermediate_size=dc.intermediate_size, retrace=retrace, attention_bias=bool(dc.attention_bias))
+
+
+def new_drafter_config(cfg: TrainConfig, target_cfg) -> DrafterConfig:
+    """The :class:`~retrace_jax.models.drafter.DrafterConfig` of the new drafter of ``cfg`` for the target of
+    config ``target_cfg``, for checks made before it is built: without the repeated-layer-ids warning, which
+    building it gives once (raises ``ConfigError`` for settings it cannot have)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return drafter_config(target_cfg, **new_drafter_args(cfg, target_cfg.vocab_size))
 
 
 def anchor_room(num_anchors: int, seq_len: int, block_size: int, block_key: str) -> list[str]:

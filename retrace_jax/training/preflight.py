@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 
 import jax
 
 from retrace_jax.errors import ConfigError
 from retrace_jax.models.config import ModelConfig, read_config
-from retrace_jax.models.drafter import DrafterConfig, check_drafter_matches, drafter_config
+from retrace_jax.models.drafter import DrafterConfig, check_drafter_matches
 from retrace_jax.models.tiny import TINY_QWEN3
 from retrace_jax.parallel.sharding import check_divisible, make_mesh
-from retrace_jax.training.config import TrainConfig, anchor_room, as_config, head_room, new_drafter_args
+from retrace_jax.training.config import TrainConfig, anchor_room, as_config, head_room, new_drafter_config
 from retrace_jax.training.data import MANIFEST
 
 # drafter keys that describe a new drafter -> DrafterConfig fields; with drafter.init, those given must
@@ -113,9 +112,7 @@ def _drafter(cfg: TrainConfig, target: ModelConfig) -> list[str]:
         return out + head_room(cfg.train.distill_topk, stored.draft_vocab_size, target.vocab_size,
                                f"drafter.init {dc.init}")
     try:
-        with warnings.catch_warnings():  # repeated layer ids: warned about when the drafter is built
-            warnings.simplefilter("ignore")
-            drafter_config(target, **new_drafter_args(cfg, target.vocab_size))
+        new_drafter_config(cfg, target)
     except ConfigError as err:
         out.append(f"drafter: {err}")
     bad = [i for i in dc.init_layers or () if i >= target.num_layers]

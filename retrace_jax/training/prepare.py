@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import time
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -25,12 +24,12 @@ from retrace_jax.decoding.generation import bucket, generate
 from retrace_jax.io.checkpoints import load_drafter, load_target
 from retrace_jax.io.digest import file_sha256
 from retrace_jax.models.config import read_config_json
-from retrace_jax.models.drafter import DrafterConfig, drafter_config
+from retrace_jax.models.drafter import DrafterConfig
 from retrace_jax.models.layers import bfloat16_kernels, product_precision
 from retrace_jax.models.tiny import TINY_QWEN3, tiny_target
 from retrace_jax.parallel.distributed import barrier
 from retrace_jax.parallel.placement import shard_model
-from retrace_jax.training.config import TrainConfig, as_config, new_drafter_args
+from retrace_jax.training.config import TrainConfig, as_config, new_drafter_config
 from retrace_jax.training.data import (
     MANIFEST,
     UNRECORDED,
@@ -150,9 +149,7 @@ def kept_layer_ids(cfg: TrainConfig, target_cfg) -> tuple[int, ...]:
     default when null)."""
     if cfg.drafter.init:
         return tuple(DrafterConfig.from_hf(read_config_json(cfg.drafter.init)).target_layer_ids)
-    with warnings.catch_warnings():  # repeated layer ids: warned about when the drafter is built
-        warnings.simplefilter("ignore")
-        return tuple(drafter_config(target_cfg, **new_drafter_args(cfg, target_cfg.vocab_size)).target_layer_ids)
+    return tuple(new_drafter_config(cfg, target_cfg).target_layer_ids)
 
 
 def _check_kept_meta(out: str, meta: dict, finished: list[int], num_shards: int, log) -> None:

@@ -152,7 +152,8 @@ def test_split_gpu_lowers_for_cuda_reading_the_cache_in_place(monkeypatch, t, dt
         assert split_decode.product_precision(jnp.bfloat16) is None
 
 
-def test_generate_through_split_gpu_gives_the_same_tokens(monkeypatch):
+@pytest.mark.parametrize("path", ["plain", "scan", "speculative"])
+def test_generate_through_split_gpu_gives_the_same_tokens(monkeypatch, path):
     """generate(attention="split_gpu") with the kernel in interpret mode gives the chunked path's greedy
     tokens, plain (unrolled layers, as a CPU runs them, and a scan over layers) and speculative (the
     block-16 oracle drafter of tests/oracle.py: verify and draft calls of 16 queries, rounds that accept
@@ -163,7 +164,10 @@ def test_generate_through_split_gpu_gives_the_same_tokens(monkeypatch):
 
     target = tiny_target()
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
-    drafter = Oracle.build(target, prompts, 12, 16).drafter  # rounds of every acceptance length
+    if path == "speculative":
+        kw = {"drafter": Oracle.build(target, prompts, 12, 16).drafter}  # rounds of every acceptance length
+    else:
+        kw = {"layer_loop": "scan"} if path == "scan" else {}
     calls = []
     original = split_decode.split_cached
 
@@ -172,9 +176,7 @@ def test_generate_through_split_gpu_gives_the_same_tokens(monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(split_decode, "split_cached", counted)
-    for kw in ({}, {"layer_loop": "scan"}, {"drafter": drafter}):
-        want = rj.generate(target, prompts, 12, attention="chunked", **kw).tokens
-        calls.clear()
-        with pallas_interpret():
-            assert rj.generate(target, prompts, 12, attention="split_gpu", **kw).tokens == want
-        assert calls  # traced into the program: decode steps, or verify and draft calls
+    want = rj.generate(target, prompts, 12, attention="chunked", **kw).tokens
+    with pallas_interpret():
+        assert rj.generate(target, prompts, 12, attention="split_gpu", **kw).tokens == want
+    assert calls  # traced into the program: decode steps, or verify and draft calls

@@ -120,6 +120,7 @@ def test_snapshot_fixes_the_first_finished_shards(prepared, tmp_path):
     assert len(SequenceData(str(dest), 64)) == 2 * manifest["settings"]["shard_size"]
 
 
+@pytest.mark.slow  # about 18 s of training; a diagnostic beside the probes and curves tested by default
 def test_memorize_fits_the_same_sequences_and_writes_its_curve(prepared, tmp_path, capsys):
     """memorize trains on one fixed batch: the loss falls on it, and the result holds the curve, the
     sequences, and the steps it was logged at."""

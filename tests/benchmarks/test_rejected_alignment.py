@@ -225,6 +225,7 @@ def test_stale_target_choice_is_the_targets_greedy_token_on_that_context(models)
     assert want[0] == tally.n[0] and want[1:].sum() > 0  # the correction itself, and some stale hits
 
 
+@pytest.mark.slow  # about 20 s: two measured generations; the tally's counts are checked by default above
 def test_oracle_ceiling_is_at_least_tau_and_equals_it_when_it_never_fires(models):
     target, drafter = models
     fired = {}

@@ -26,17 +26,20 @@ def prompts_of(lengths, seed=0, vocab=500):
     return [rng.randint(0, vocab, (n,)).tolist() for n in lengths]
 
 
-def forward_features(target, text, layers):
-    out = target(jnp.asarray([text], jnp.int32), target.init_cache(1, len(text)), feature_layers=layers,
-                 attention="chunked")
-    return np.asarray(out.features[0])
+def forward_features(target, texts, layers):
+    """The features of one forward pass over each text: the texts right-padded into one batch (a causal
+    model's features at a text's positions do not see the padding after them)."""
+    width = max(len(t) for t in texts)
+    batch = jnp.asarray([t + [0] * (width - len(t)) for t in texts], jnp.int32)
+    out = target(batch, target.init_cache(len(texts), width), feature_layers=layers, attention="chunked")
+    return [np.asarray(f[: len(t)]) for f, t in zip(out.features, texts)]
 
 
 def check_features(target, prompts, out, layers):
     assert len(out.features) == len(prompts)
-    for p, r, f in zip(prompts, out.tokens, out.features):
-        assert f.shape == (len(p) + len(r), len(layers) * target.cfg.hidden_size)
-        ref = forward_features(target, p + r, layers)
+    texts = [p + r for p, r in zip(prompts, out.tokens)]
+    for text, f, ref in zip(texts, out.features, forward_features(target, texts, layers)):
+        assert f.shape == (len(text), len(layers) * target.cfg.hidden_size)
         np.testing.assert_allclose(f, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
 
 

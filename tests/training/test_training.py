@@ -188,6 +188,7 @@ def test_retrace_with_the_keys_fusion_trains_the_drafter_itself(workspace, dflas
     assert rj.generate(target, prompts, 24, drafter=drafter).tokens == rj.generate(target, prompts, 24).tokens
 
 
+@pytest.mark.slow  # about 25 s; by default their rollouts are checked against inference (test_losses.py)
 def test_retrace_with_token_hints_a_zero_scale_a_mixture_and_memory_training_options(workspace, dflash_run):
     """``retrace.hints: tokens``, ``retrace.zero_start: scale`` and ``retrace.mixture: target``, with
     ``train.memory_dropout`` and ``train.miss_weight``: the hint projection W_h, the scale and the
