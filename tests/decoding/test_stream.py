@@ -81,7 +81,7 @@ def test_slots_refilled_together_with_prompts_of_different_lengths(tiny):
     """Several free slots refill in one pass: the 4 slots at the start (prompts of 70, 1, 33 and 5
     tokens: the longest takes two passes of 64), and 2 slots whose identical prompts stop in the same
     round (then prompts of 70 and 1 tokens take them together). Greedy and sampled: the static batch's
-    tokens and stop reasons (whose rows are each prompt's own output alone: test_plain_greedy_equals_each_prompt_alone)."""
+    tokens and stop reasons (each row of which is the prompt's own output alone: the next test)."""
     long, other = list(range(3, 73)), mixed_prompts(6, seed=10, vocab=500)
     prompts = [long, [17], list(range(60, 93)), other[0][:5], *other[1:]]
     assert rj.generate(tiny, prompts, 14, slots=4).tokens == rj.generate(tiny, prompts, 14).tokens
