@@ -16,8 +16,11 @@ if [ "${1:-}" = "--until" ]; then
     UNTIL=$2
     shift 2
 fi
-# NAME and its overrides, one lever a line, in the order they are expected to matter
+# NAME and its overrides, one lever a line, in the order they are expected to matter; seed1 is no lever but
+# the baseline again with another seed (drafter init, anchors, data order): how far two runs of one recipe
+# differ, which a paired interval over the dev sequences does not include
 LEVERS=(
+    "seed1 train.seed=1"
     "reach train.slot_weights=reach"
     "uniform train.slot_weights=uniform"
     "lr3e-3 train.lr=3.0e-3"
