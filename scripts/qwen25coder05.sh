@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The Qwen2.5-Coder-0.5B-Instruct pair of docs/results.md, stage by stage: the prompt sets, the DFlash
-# drafter (regeneration, the feature store, training, export), its evaluation, then ReTrace against DFlash
-# fine-tuning on the pair (B, C, and the shipped ReTrace drafter with the output mixture). Every stage is
-# resumable: rerunning the same command skips what is finished and continues what was interrupted
-# (shards, features, checkpoints).
+# The Qwen2.5-Coder-0.5B-Instruct pair of docs/results.md, stage by stage: the prompt sets, the first
+# recipe's DFlash drafter A (regeneration, the feature store, training, export), its evaluation, then
+# ReTrace against DFlash fine-tuning on the pair (B, C, and the shipped ReTrace drafter with the output
+# mixture). Every stage is resumable: rerunning the same command skips what is finished and continues
+# what was interrupted (shards, features, checkpoints).
 #   pip install -e '.[assets]' && bash scripts/qwen25coder05.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,13 +28,14 @@ against_b() {
     done
 }
 python train.py --config configs/qwen25coder05_dflash.yaml
-SHIP=retrace_jax/assets/drafters/qwen2.5-coder-0.5b-instruct-dflash   # rj.assets.shipped_drafter(MODEL)
-ship runs/qwen25coder05_dflash "$SHIP"
+# A, the first recipe's drafter (it shipped until the long run's drafter replaced it:
+# bash scripts/qwen25coder05_long.sh --ship STEP), evaluated from its run directory
+A=runs/qwen25coder05_dflash/drafter
 # τ at T = 0 at blocks 16, 8 and 4 (the drafter trained at 16, run at smaller blocks too), batch-1 speed
 # against plain decoding, every greedy output checked: HumanEval as raw completion (164 prompts), 64 of the
 # 256 held-out package pieces; then τ at T = 1 on 32 prompts of each
 finished() { python -c "import json, sys; sys.exit(not json.load(open(sys.argv[1])).get('complete'))" "$1" 2>/dev/null; }
-EVAL="--target $M --drafter dflash=$SHIP --drafter b8=$SHIP --block-size b8=8 --drafter b4=$SHIP --block-size b4=4
+EVAL="--target $M --drafter dflash=$A --drafter b8=$A --block-size b8=8 --drafter b4=$A --block-size b4=4
       --spec-bench none --humaneval none --max-prompt-len 512 --max-new-tokens 128 --batch-size 32"
 finished runs/qwen25coder05_eval_humaneval.json || python benchmarks/speculative_eval.py $EVAL --prompts humaneval=$D/humaneval_raw.jsonl --per-dataset 0 \
     --temperatures 0 --speed-methods plain,dflash,b8,b4 --speed-prompts 8 --out runs/qwen25coder05_eval_humaneval.json
@@ -68,9 +69,9 @@ save_file(t, dst + '/model.safetensors', metadata={'format': 'pt'})" runs/qwen25
 python lab/evaluate.py --target "$M" --prompts $D/humaneval_raw.jsonl --num-prompts 64 --max-prompt-len 512 \
     --drafter Cnomix=$CLOSED --compare Cnomix/Cnomix-off --temperatures 0 --batch-size 32 \
     --out runs/qwen25coder05_retrace_nomix_humaneval.json
-# batch-1 speed of the two shipped drafters at blocks 16 and 4 (the first 4 HumanEval prompts, T = 0)
+# batch-1 speed of A and the shipped ReTrace drafter at blocks 16 and 4 (the first 4 HumanEval prompts, T = 0)
 finished runs/qwen25coder05_speed_retrace.json || python benchmarks/speculative_eval.py --target $M \
-    --drafter dflash=$SHIP --drafter b4=$SHIP --block-size b4=4 --drafter retrace=$SHIPR --drafter retrace4=$SHIPR \
+    --drafter dflash=$A --drafter b4=$A --block-size b4=4 --drafter retrace=$SHIPR --drafter retrace4=$SHIPR \
     --block-size retrace4=4 --spec-bench none --humaneval none --max-prompt-len 512 --max-new-tokens 128 \
     --prompts humaneval=$D/humaneval_raw.jsonl --per-dataset 0 --temperatures '' --speed-temperatures 0 \
     --speed-methods plain,dflash,b4,retrace,retrace4 --speed-prompts 4 --out runs/qwen25coder05_speed_retrace.json

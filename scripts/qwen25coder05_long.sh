@@ -18,8 +18,12 @@
 # benchmarks/products.py); a curve must resume with the same ones. --tag T names a variant of the run (a lever
 # tried on the long run's data and steps): runs/probes/NAME-T, its curve in results/.../levers/, left out of
 # the plot (scripts/qwen25coder05_levers.sh tables them); --until STEP stops after the points up to STEP
-# (rerun without it to go on).
-#   pip install -e '.[assets,bench]' && bash scripts/qwen25coder05_long.sh [--all | --shards N] [--tag T] [--until STEP] [--set KEY=VALUE ...]
+# (rerun without it to go on). --ship STEP trains nothing: it exports the run's checkpoint at STEP (the curve
+# keeps the last three), ships it as the package's DFlash drafter for the pair (bfloat16, with its
+# SHA256SUMS; rj.assets.shipped_drafter) and evaluates the shipped copy as docs/results.md reports it (τ at
+# T = 0 on the 164 HumanEval prompts and 64 held-out package pieces at its block, 4, every output checked
+# against plain decoding, batch-1 speed on the first 8 prompts of each; results/.../eval_*_T0.json).
+#   pip install -e '.[assets,bench]' && bash scripts/qwen25coder05_long.sh [--all | --shards N] [--tag T] [--until STEP | --ship STEP] [--set KEY=VALUE ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=configs/qwen25coder05_probe.yaml
@@ -27,7 +31,7 @@ OUT=results/qwen2.5-coder-0.5b-instruct
 SNAP=runs/probe_data_8
 NAME=long
 CURVE=tau_curve.json
-usage() { echo "usage: $0 [--all | --shards N] [--tag T] [--until STEP] [--set KEY=VALUE ...]" >&2; exit 2; }
+usage() { echo "usage: $0 [--all | --shards N] [--tag T] [--until STEP | --ship STEP] [--set KEY=VALUE ...]" >&2; exit 2; }
 if [ "${1:-}" = "--all" ]; then
     SNAP=runs/qwen25coder05_code_data_bf16
     NAME=long4096
@@ -59,6 +63,12 @@ if [ "${1:-}" = "--until" ]; then
     UNTIL=(--until "$2")
     shift 2
 fi
+SHIP_STEP=
+if [ "${1:-}" = "--ship" ]; then
+    [[ "${2:-}" =~ ^[1-9][0-9]*$ ]] && [ -z "$TAG" ] || usage
+    SHIP_STEP=$2
+    shift 2
+fi
 EXTRA=()
 while [ $# -gt 0 ]; do
     [ "$1" = "--set" ] && [ $# -ge 2 ] || usage
@@ -78,6 +88,24 @@ elif [ ! -f runs/probe_data_8/manifest.json ]; then
 fi
 sets=(--set "data.dir=$SNAP")
 for o in $RECIPE; do sets+=(--set "$o"); done
+if [ -n "$SHIP_STEP" ]; then
+    M=~/.cache/retrace_jax/models/qwen2.5-coder-0.5b-instruct
+    D=~/.cache/retrace_jax/data
+    SHIP=retrace_jax/assets/drafters/qwen2.5-coder-0.5b-instruct-dflash   # rj.assets.shipped_drafter(MODEL)
+    EXPORTED=runs/probes/$NAME/drafter_step$SHIP_STEP
+    [ -e "$EXPORTED" ] || python train.py --config "$CONFIG" "${sets[@]}" ${EXTRA[@]+"${EXTRA[@]}"} \
+        --set "out=runs/probes/$NAME" --stage export --step "$SHIP_STEP"
+    python -c "import sys, retrace_jax as rj; from retrace_jax.assets.shipped import ship_drafter
+ship_drafter(rj.load_drafter(sys.argv[1], rj.load_target(sys.argv[2])), sys.argv[3])" "$EXPORTED" "$M" "$SHIP"
+    EVAL="--target $M --drafter dflash=$SHIP --spec-bench none --humaneval none --max-prompt-len 512
+          --max-new-tokens 128 --batch-size 32 --temperatures 0 --speed-temperatures 0 --speed-methods plain,dflash
+          --speed-prompts 8"
+    python benchmarks/speculative_eval.py $EVAL --prompts humaneval=$D/humaneval_raw.jsonl --per-dataset 0 \
+        --out "$OUT/eval_humaneval_T0.json"
+    python benchmarks/speculative_eval.py $EVAL --prompts heldout=$D/code_heldout.jsonl --per-dataset 64 \
+        --out "$OUT/eval_heldout_T0.json"
+    exit 0
+fi
 python benchmarks/recipe_probe.py curve "$NAME" --config "$CONFIG" "${sets[@]}" ${EXTRA[@]+"${EXTRA[@]}"} --every 200 \
     ${UNTIL[@]+"${UNTIL[@]}"}
 mkdir -p "$(dirname "$OUT/$CURVE")"
