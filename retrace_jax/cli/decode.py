@@ -51,8 +51,8 @@ class DemoPair(NamedTuple):
 
 
 # A demo shows a right answer. The code model continues the start of a function with a correct binary
-# search, at block 4: its drafter commits about 1.5 tokens a round at every block, so the block whose
-# verify pass costs least is the fastest on a CPU (docs/results.md). SmolLM2-135M is a weak model: it
+# search, at block 4: the block its drafter was trained at, and the one whose verify pass costs least on a
+# CPU (docs/results.md). SmolLM2-135M is a weak model: it
 # answers this request right (its earlier demo question, "Explain speculative decoding in one paragraph.",
 # it answered with "Spatial Discrepancy Detection"); its drafter is slower than plain decoding on a CPU,
 # which the help and the README say.
