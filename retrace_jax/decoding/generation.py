@@ -14,6 +14,7 @@ from retrace_jax.attention import IMPLEMENTATIONS
 from retrace_jax.decoding.buffers import POOL, take_spare
 from retrace_jax.decoding.layer_loop import decode_weights, resolve_layer_loop
 from retrace_jax.decoding.plain import plain_generate
+from retrace_jax.decoding.programs import products_options, resolve_cpu_products
 from retrace_jax.decoding.sampling import SamplingMode, SamplingParams
 from retrace_jax.decoding.speculative import speculative_generate
 from retrace_jax.decoding.stream import non_finite_message, prefill_chunk, run_stream, spare_max_len
@@ -87,6 +88,7 @@ def generate(
     progress=None,
     rounds_per_call: int = 64,
     feature_layers: Sequence[int] | None = None,
+    cpu_products: str = "auto",
 ) -> GenerateOutput:
     """Generates up to ``max_new_tokens`` for each prompt (token ids) in one compiled program.
 
@@ -154,6 +156,12 @@ def generate(
     its slot (the step that feeds it); the tokens are the same as without. Memory: a buffer of
     ``slots x positions x F`` and one of ``2 * slots`` entries of the same size for the finished prompts.
 
+    ``cpu_products`` says how a speculative program's products of several rows (the verify pass and the
+    drafted block) compile on CPU: "ynnpack" (XLA's default), "eigen", or "auto" (the default): "eigen"
+    for targets whose largest weight matrix of a layer holds at least 16 MiB, where it measured faster
+    (``retrace_jax.decoding.programs.resolve_cpu_products``). The tokens are the same either way; other
+    backends ignore it.
+
     The KV caches of a call are kept for the next call of the same sizes (those of the last four
     distinct sizes and methods; ``rj.clear_decode_buffers()`` frees them), so that a call does not
     allocate and first-touch caches of its whole capacity; see ``retrace_jax/decoding/buffers.py``.
@@ -183,6 +191,7 @@ def generate(
     if attention not in IMPLEMENTATIONS:
         raise ValueError(f"attention must be one of {IMPLEMENTATIONS}, got {attention!r}")
     layer_loop = resolve_layer_loop(layer_loop)
+    products = products_options(resolve_cpu_products(target.cfg, target.dtype.itemsize, cpu_products))
     cache_dtype = None if cache_dtype is None else resolve_dtype(cache_dtype)
     sampling = SamplingParams.make(temperature, top_k, top_p, seed)
     batch = _check_prompts(target, prompts, max_new_tokens)
@@ -203,7 +212,7 @@ def generate(
                                 stop_token_ids=stop_token_ids, block_size=block_size, use_retrace=use_retrace,
                                 mode=mode, mesh=mesh, cache_dtype=cache_dtype, attention=attention,
                                 layer_loop=layer_loop, rounds_per_call=rounds_per_call, progress=progress,
-                                feature_layers=feature_layers)
+                                feature_layers=feature_layers, products=products)
     tokens, lens, live = _pad_prompts(prompts, rows, prompt_bucket(max(map(len, prompts))))
     if mesh is not None:
         tokens, lens, live = (jax.device_put(x, batch_sharding(mesh, x.ndim)) for x in (tokens, lens, live))
@@ -231,7 +240,7 @@ def generate(
     drafter_def, drafter_state = nnx.split(drafter)
     max_len = prompt_len + capacity + block_size
     key, spare = take_spare([cache_of(target, max_len), cache_of(drafter, max_len)])
-    buf, accept, rounds, spare = speculative_generate(
+    buf, accept, rounds, spare = speculative_generate.with_cpu_options(products)(
         target_def, target_state, drafter_def, drafter_state, tokens, lens, live, max_new, stops, sampling,
         capacity=capacity, block_size=block_size, use_retrace=use_retrace, mode=mode, mesh=mesh,
         cache_dtype=cache_dtype, attention=attention, layer_loop=layer_loop, kept=kept, spare=spare,
@@ -246,7 +255,7 @@ def generate(
 
 def _generate_stream(target, drafter, prompts, slots, capacity, max_new, stops, sampling, *, stop_token_ids,
                      block_size, use_retrace, mode, mesh, cache_dtype, attention, layer_loop, rounds_per_call,
-                     progress, feature_layers=()) -> GenerateOutput:
+                     progress, feature_layers=(), products=None) -> GenerateOutput:
     """``generate(..., slots=N)``: the prompts as a stream through ``slots`` rows (see ``stream.py``)."""
     longest = prompt_bucket(max(map(len, prompts)))
     chunk = prefill_chunk(longest)
@@ -269,7 +278,7 @@ def _generate_stream(target, drafter, prompts, slots, capacity, max_new, stops, 
                                capacity=capacity, block_size=block_size, use_retrace=use_retrace, mode=mode, mesh=mesh,
                                cache_dtype=cache_dtype, attention=attention, layer_loop=layer_loop, kept=kept,
                                spare=spare, rounds_per_call=rounds_per_call, progress=progress, fetch=_fetch,
-                               feature_layers=feature_layers)
+                               feature_layers=feature_layers, products=products if drafter is not None else None)
     POOL.put(key, spare)
     accept = result.acceptance_lengths or [[1] * len(t) for t in result.tokens]
     return GenerateOutput(tokens=result.tokens, acceptance_lengths=accept,

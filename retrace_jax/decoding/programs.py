@@ -98,11 +98,39 @@ def compile_seconds():
 # both). GPUs and TPUs compile with XLA's defaults.
 CPU_COMPILER_OPTIONS = {"xla_cpu_opt_preset": "CPU_OPT_PRESET_FAST_COMPILE"}
 
-# Products of several rows through Eigen instead of YNNPACK. The speculative programs used them until
-# the LM head was kept as [d, V]; since then they run as fast or faster without (docs/performance.md),
-# so no program does. Kept for benchmarks/lm_head.py, which compares the two. The option is
-# experimental in XLA: cpu_compiler_options keeps it only where a trivial program compiles with it.
+# Products of several rows through Eigen instead of YNNPACK. Which is faster depends on the size of the
+# weights: with small ones (the laboratory pair, d=256) YNNPACK's rounds ran 8-12% faster and with
+# SmolLM2-135M's as fast, while with Qwen2.5-Coder-0.5B's (35 MB gate and up projections per layer, read
+# from memory at every product) YNNPACK's products of a verify pass's 4 rows stream the weights at about
+# half the rate of a single row's and Eigen's speculative programs ran 1.19x faster on an Intel Xeon
+# (docs/performance.md, "Several-row products on CPU"). The option is experimental in XLA:
+# cpu_compiler_options keeps it only where a trivial program compiles with it.
 SEVERAL_ROW_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+# How the speculative programs' products of several rows (the verify pass, the drafted block) compile
+# on CPU: "ynnpack" (XLA's default options), "eigen" (SEVERAL_ROW_CPU_OPTIONS), or "auto": "eigen" when
+# a layer's largest weight matrix holds at least EIGEN_FROM_BYTES, between the sizes measured each way.
+CPU_PRODUCTS = ("auto", "ynnpack", "eigen")
+EIGEN_FROM_BYTES = 16 * 2**20
+
+
+def resolve_cpu_products(cfg, itemsize: int, choice: str = "auto") -> str:
+    """``choice`` ("auto", "ynnpack" or "eigen") for a target of config ``cfg`` whose weights take
+    ``itemsize`` bytes an entry: "auto" is "eigen" when the largest weight matrix of a layer (the joined
+    gate and up projections, the joined q/k/v projection or the output projection) holds at least
+    :data:`EIGEN_FROM_BYTES`, else "ynnpack"."""
+    if choice not in CPU_PRODUCTS:
+        raise ValueError(f"cpu_products must be one of {CPU_PRODUCTS}, got {choice!r}")
+    if choice != "auto":
+        return choice
+    d, heads = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    largest = max(d * 2 * cfg.intermediate_size, d * (heads + 2 * cfg.num_kv_heads * cfg.head_dim), heads * d)
+    return "eigen" if largest * itemsize >= EIGEN_FROM_BYTES else "ynnpack"
+
+
+def products_options(kind: str) -> dict[str, str] | None:
+    """The extra CPU compiler options of a resolved :func:`resolve_cpu_products` choice."""
+    return dict(SEVERAL_ROW_CPU_OPTIONS) if kind == "eigen" else None
 
 
 @functools.cache
@@ -152,6 +180,22 @@ class DecodeProgram:
         import jax
 
         return self.cpu if jax.default_backend() == "cpu" else self.default
+
+    def with_cpu_options(self, extra: dict[str, str] | None):
+        """The function this program runs with ``extra`` CPU options instead of ``cpu_extra_options``
+        (made once per distinct options and kept): on CPU its jit with :func:`cpu_compiler_options` of
+        ``extra``, elsewhere the default jit (the options are CPU options)."""
+        import jax
+
+        if jax.default_backend() != "cpu":
+            return self.default
+        if extra == self.cpu_extra_options:
+            return self.cpu
+        key = tuple(sorted((extra or {}).items()))
+        variants = self.__dict__.setdefault("_variants", {})
+        if key not in variants:
+            variants[key] = self.with_options(cpu_compiler_options(extra))
+        return variants[key]
 
     def __call__(self, *args, **kwargs):
         return self._pick()(*args, **kwargs)

@@ -26,7 +26,7 @@ from retrace_jax.decoding.buffers import spare_or_new
 from retrace_jax.decoding.commit import OutputBuffer, commit, stop_non_finite
 from retrace_jax.decoding.layer_loop import decode_weights, merge_target
 from retrace_jax.decoding.plain import StepConstants
-from retrace_jax.decoding.programs import DecodeProgram
+from retrace_jax.decoding.programs import DecodeProgram, products_options, resolve_cpu_products
 from retrace_jax.decoding.sampling import SamplingMode, SamplingParams, argmax, row_keys, step_keys
 from retrace_jax.decoding.verify import (
     accepted_count,
@@ -290,8 +290,10 @@ class SpeculativeStepper:
         def step(states, kept, consts, carry):
             return speculative_round(self._models(states, kept), consts, carry)
 
-        self._init = DecodeProgram(init)
-        self._step = DecodeProgram(step, donate_argnums=3)  # in place
+        # the products of several rows compiled as generate's "auto" compiles them for this target
+        products = products_options(resolve_cpu_products(target.cfg, target.dtype.itemsize))
+        self._init = DecodeProgram(init, cpu_extra_options=products)
+        self._step = DecodeProgram(step, donate_argnums=3, cpu_extra_options=products)  # in place
 
     def _models(self, states, kept):
         return (merge_target(self._defs[0], states[0], self._layer_loop, kept), nnx.merge(self._defs[1], states[1]))

@@ -470,7 +470,7 @@ def run_stream(target_def, target_state, drafter_def, drafter_state, prompts, *,
                max_new, stop_ids, sampling: SamplingParams, capacity: int, block_size: int = 0,
                use_retrace: bool = True, mode: SamplingMode = SamplingMode(), mesh=None, cache_dtype=None,
                attention="auto", layer_loop="auto", feature_layers=(), kept=None, spare=None,
-               rounds_per_call: int = 64, progress=None, fetch=jax.device_get):
+               rounds_per_call: int = 64, progress=None, fetch=jax.device_get, products=None):
     """Decodes ``prompts`` (token-id lists of at most ``prompt_len`` tokens, a multiple of
     :func:`prefill_chunk`) through ``slots`` rows, one :func:`stream_chunk` call after another, and
     returns the :class:`StreamResult` and the caches (to keep for the next call: ``spare``).
@@ -483,7 +483,8 @@ def run_stream(target_def, target_state, drafter_def, drafter_state, prompts, *,
     keeps the target's features of those layers at every position of each prompt and its new tokens
     (``StreamResult.features``), as the generation computes them: no second pass over the text.
     Raises ``FloatingPointError`` for prompts whose target logits were not finite (the stream stops
-    there; its caches are not kept)."""
+    there; its caches are not kept). ``products``: the extra CPU compiler options that the chunk program
+    compiles with (``retrace_jax.decoding.programs.products_options``; None: its own)."""
     queued = harvest_size = 2 * slots
     chunk = prefill_chunk(prompt_len)
     static = dict(slots=slots, max_len=spare_max_len(prompt_len, capacity, block_size, chunk), capacity=capacity,
@@ -501,7 +502,7 @@ def run_stream(target_def, target_state, drafter_def, drafter_state, prompts, *,
         for q, p in enumerate(prompts[first:first + queued]):
             queue_tokens[q, :len(p)] = p
             queue_lens[q] = len(p)
-        carry, harvest, in_flight = stream_chunk(
+        carry, harvest, in_flight = stream_chunk.with_cpu_options(products)(
             target_def, target_state, drafter_def, drafter_state, carry, queue_tokens, queue_lens, np.int32(first),
             np.int32(total), np.int32(rounds_per_call), max_new, stop_ids, sampling, harvest_size=harvest_size,
             chunk=chunk, kept=kept, **static)

@@ -212,6 +212,60 @@ def test_decode_programs_compile_with_the_cpu_options_on_cpu(monkeypatch):
         bad(3.0)
 
 
+def test_cpu_products_choose_the_speculative_programs_options(monkeypatch):
+    """``cpu_products``: "auto" sends a speculative program's several-row products to Eigen for targets
+    whose largest layer matrix holds 16 MiB or more (a Qwen2.5-0.5B-shaped config in float32, not a
+    bfloat16 copy of half the bytes or the tiny target), the named choices are taken as they are, and a
+    bad one is refused before anything compiles. Each choice reaches the speculative program (and
+    nothing else) and decodes the same tokens as plain decoding, with a random drafter's rejections and
+    through a stream."""
+    import dataclasses
+
+    import jax
+
+    import retrace_jax as rj
+    from retrace_jax.decoding import programs
+    from retrace_jax.models.tiny import TINY_QWEN3, tiny_target
+
+    qwen05 = dataclasses.replace(TINY_QWEN3, hidden_size=896, intermediate_size=4864, num_heads=14,
+                                 num_kv_heads=2, head_dim=64)
+    assert programs.resolve_cpu_products(qwen05, 4) == "eigen"  # 896 x 9,728 x 4 bytes: 34.9 MB
+    assert programs.resolve_cpu_products(qwen05, 2) == "eigen"  # 17.4 MB
+    smollm = dataclasses.replace(qwen05, hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3)
+    assert programs.resolve_cpu_products(smollm, 4) == "ynnpack"  # 7.1 MB: measured as fast either way
+    assert programs.resolve_cpu_products(TINY_QWEN3, 4) == "ynnpack"
+    assert programs.resolve_cpu_products(TINY_QWEN3, 4, "eigen") == "eigen"
+    assert programs.resolve_cpu_products(qwen05, 4, "ynnpack") == "ynnpack"
+    assert programs.products_options("eigen") == programs.SEVERAL_ROW_CPU_OPTIONS
+    assert programs.products_options("ynnpack") is None
+
+    target = tiny_target()
+    drafter = rj.init_drafter(target.cfg, mask_token_id=target.cfg.vocab_size - 1, num_layers=1, block_size=4)
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    with pytest.raises(ValueError, match="cpu_products must be one of"):
+        rj.generate(target, prompts, 4, drafter=drafter, cpu_products="fast")
+    seen = []
+    real = programs.DecodeProgram.with_cpu_options
+
+    def spy(self, extra):
+        seen.append((self.__name__, extra))
+        return real(self, extra)
+
+    monkeypatch.setattr(programs.DecodeProgram, "with_cpu_options", spy)
+    want = rj.generate(target, prompts, 24).tokens
+    for choice, extra in (("eigen", programs.SEVERAL_ROW_CPU_OPTIONS), ("ynnpack", None), ("auto", None)):
+        seen.clear()
+        assert rj.generate(target, prompts, 24, drafter=drafter, cpu_products=choice).tokens == want, choice
+        assert rj.generate(target, prompts, 24, drafter=drafter, cpu_products=choice, slots=1).tokens == want
+        assert {name for name, _ in seen} == {"speculative_generate", "stream_chunk"}
+        assert all(got == extra for _, got in seen), (choice, seen)
+    if jax.default_backend() == "cpu":
+        from retrace_jax.decoding.speculative import speculative_generate
+        assert speculative_generate.with_cpu_options(None) is speculative_generate.cpu
+        assert speculative_generate.with_cpu_options(programs.SEVERAL_ROW_CPU_OPTIONS) is \
+            speculative_generate.with_cpu_options(dict(programs.SEVERAL_ROW_CPU_OPTIONS))  # made once
+
+
 def test_unrolled_layers_trace_one_block_whatever_the_depth(monkeypatch):
     """Inside a trace, the unrolled layer loop calls one jitted decoder block per layer: JAX traces (and
     lowers) the block once, so tracing and lowering time do not grow with depth; the tokens are checked
