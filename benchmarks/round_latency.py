@@ -36,7 +36,7 @@ from benchmarks.device_check import PRESETS  # noqa: E402  (Qwen3-4B/8B shapes, 
 from benchmarks.report import median_ms_from, report  # noqa: E402
 from retrace_jax.decoding.layer_loop import decode_weights, merge_target  # noqa: E402
 from retrace_jax.decoding.plain import PlainStepper  # noqa: E402
-from retrace_jax.decoding.programs import DecodeProgram  # noqa: E402
+from retrace_jax.decoding.programs import DecodeProgram, products_options, resolve_cpu_products  # noqa: E402
 from retrace_jax.decoding.sampling import SamplingParams, argmax  # noqa: E402
 from retrace_jax.decoding.speculative import SpeculativeStepper, draft_block  # noqa: E402
 from retrace_jax.models.draft_vocab import draft_head, head_logits  # noqa: E402
@@ -149,7 +149,9 @@ def main():
         m, d = merge_target(tdef, ts, "auto", kept), nnx.merge(ddef, ds)
         return argmax(head_logits(m, head, draft_block(m, d, anchor, cache, k))[:, 1:])
 
-    verify, draft = DecodeProgram(verify), DecodeProgram(draft)
+    # compiled with the several-row products that the round uses (generate's cpu_products="auto")
+    products = products_options(resolve_cpu_products(cfg, target.dtype.itemsize))
+    verify, draft = DecodeProgram(verify, cpu_extra_options=products), DecodeProgram(draft, cpu_extra_options=products)
     ms = {
         "plain_step_ms": median_ms_from(one_step, plain_carry, args.iters),
         "draft_ms": timed(lambda: draft(tstate, kept, dstate, head, first.draft_cache, first.anchor_b),
@@ -169,6 +171,7 @@ def main():
               "drafter": f"{drafter.cfg.num_layers} layers, block {k}" + (" (ReTrace)" if drafter.cfg.retrace else "")
               + (f", draft vocabulary {drafter.cfg.draft_vocab_size}" if drafter.cfg.draft_vocab_size else ""),
               "device": jax.devices()[0].platform, "context": args.context,
+              "cpu_products": resolve_cpu_products(cfg, target.dtype.itemsize),
               **{key: round(v, 4) for key, v in ms.items()},
               # a round must commit this many tokens on average (tau) to match plain decoding's speed
               "round_over_plain_step (break-even tau)": round(round_ms / ms["plain_step_ms"], 2),
