@@ -159,7 +159,7 @@ def main(argv=None):
     p.add_argument("--prompts", action="append", default=[], metavar="NAME=FILE",
                    help="a prompt file as one more dataset (repeatable; raw {\"text\"} records stay raw)")
     p.add_argument("--per-dataset", type=int, default=12, help="prompts per dataset for τ (0: all)")
-    p.add_argument("--speed-prompts", type=int, default=1, help="prompts per dataset timed at batch 1")
+    p.add_argument("--speed-prompts", type=int, default=1, help="prompts per dataset timed at batch 1 (0: none)")
     p.add_argument("--speed-methods", default="plain,B,C", help="methods timed at batch 1 (comma separated)")
     p.add_argument("--max-prompt-len", type=int, default=1024)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -176,6 +176,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.repeats < 3:
         p.error(f"--repeats must be at least 3 (times are medians), got {args.repeats}")
+    if args.speed_prompts < 0:
+        p.error(f"--speed-prompts must be 0 (no speed runs) or more, got {args.speed_prompts}")
 
     target = rj.load_target(os.path.expanduser(args.target))
     tokenizer = load_tokenizer(os.path.expanduser(args.target))
@@ -242,7 +244,8 @@ def main(argv=None):
                   f"({time.perf_counter() - start:.0f} s)", flush=True)
             save(result, args.out)  # after every run: an interrupted evaluation keeps what it measured
 
-    speed_methods = [m for m in args.speed_methods.split(",") if m in methods]
+    # --speed-prompts 0: no batch-1 speed runs (tau and losslessness only)
+    speed_methods = [m for m in args.speed_methods.split(",") if m in methods] if args.speed_prompts else []
     result["speed_decode"], result["speed_runs"] = {}, {}
     for temp in [float(t) for t in args.speed_temperatures.split(",") if t]:
         key = f"T={temp:g}"

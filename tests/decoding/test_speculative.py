@@ -134,11 +134,17 @@ def test_one_program_per_generation(qwen3, monkeypatch):
     calls = []
     real = generation.speculative_generate
 
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
+    class Counted:  # generate takes the program with its CPU options, then calls it
+        def with_cpu_options(self, extra):
+            program = real.with_cpu_options(extra)
 
-    monkeypatch.setattr(generation, "speculative_generate", counted)
+            def call(*args, **kwargs):
+                calls.append(1)
+                return program(*args, **kwargs)
+
+            return call
+
+    monkeypatch.setattr(generation, "speculative_generate", Counted())
     for n, rounds_at_least in ((4, 1), (31, 15)):
         calls.clear()
         with jax.transfer_guard_device_to_host("disallow"):
