@@ -53,9 +53,9 @@ def main():
     stops = [tokenizer.eos_token_id]
     result = {"target": os.path.basename(os.path.normpath(path)), "block_size": args.block_size or drafter.cfg.block_size,
               "auto": resolve_cpu_products(target.cfg, target.dtype.itemsize), "sets": {}}
+    encode = chat_encoder(tokenizer)  # a raw piece as it stands, a request through the chat template
     for spec in args.prompts_file:
         name, _, file = spec.partition("=")
-        encode = chat_encoder(tokenizer)  # a raw piece as it stands, a request through the chat template
         ids = [encode(m) for m in read_prompts(os.path.expanduser(file))[: args.prompts]]
 
         def run(method):

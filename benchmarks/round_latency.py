@@ -36,7 +36,7 @@ from benchmarks.device_check import PRESETS  # noqa: E402  (Qwen3-4B/8B shapes, 
 from benchmarks.report import median_ms_from, report  # noqa: E402
 from retrace_jax.decoding.layer_loop import decode_weights, merge_target  # noqa: E402
 from retrace_jax.decoding.plain import PlainStepper  # noqa: E402
-from retrace_jax.decoding.programs import DecodeProgram, products_options, resolve_cpu_products  # noqa: E402
+from retrace_jax.decoding.programs import DecodeProgram, cpu_products_options, resolve_cpu_products  # noqa: E402
 from retrace_jax.decoding.sampling import SamplingParams, argmax  # noqa: E402
 from retrace_jax.decoding.speculative import SpeculativeStepper, draft_block  # noqa: E402
 from retrace_jax.models.draft_vocab import draft_head, head_logits  # noqa: E402
@@ -150,7 +150,7 @@ def main():
         return argmax(head_logits(m, head, draft_block(m, d, anchor, cache, k))[:, 1:])
 
     # compiled with the several-row products that the round uses (generate's cpu_products="auto")
-    products = products_options(resolve_cpu_products(cfg, target.dtype.itemsize))
+    products = cpu_products_options(cfg, target.dtype.itemsize)
     verify, draft = DecodeProgram(verify, cpu_extra_options=products), DecodeProgram(draft, cpu_extra_options=products)
     ms = {
         "plain_step_ms": median_ms_from(one_step, plain_carry, args.iters),

@@ -14,7 +14,7 @@ from retrace_jax.attention import IMPLEMENTATIONS
 from retrace_jax.decoding.buffers import POOL, take_spare
 from retrace_jax.decoding.layer_loop import decode_weights, resolve_layer_loop
 from retrace_jax.decoding.plain import plain_generate
-from retrace_jax.decoding.programs import products_options, resolve_cpu_products
+from retrace_jax.decoding.programs import cpu_products_options
 from retrace_jax.decoding.sampling import SamplingMode, SamplingParams
 from retrace_jax.decoding.speculative import speculative_generate
 from retrace_jax.decoding.stream import non_finite_message, prefill_chunk, run_stream, spare_max_len
@@ -191,7 +191,7 @@ def generate(
     if attention not in IMPLEMENTATIONS:
         raise ValueError(f"attention must be one of {IMPLEMENTATIONS}, got {attention!r}")
     layer_loop = resolve_layer_loop(layer_loop)
-    products = products_options(resolve_cpu_products(target.cfg, target.dtype.itemsize, cpu_products))
+    products = cpu_products_options(target.cfg, target.dtype.itemsize, cpu_products)
     cache_dtype = None if cache_dtype is None else resolve_dtype(cache_dtype)
     sampling = SamplingParams.make(temperature, top_k, top_p, seed)
     batch = _check_prompts(target, prompts, max_new_tokens)

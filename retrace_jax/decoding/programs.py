@@ -128,9 +128,10 @@ def resolve_cpu_products(cfg, itemsize: int, choice: str = "auto") -> str:
     return "eigen" if largest * itemsize >= EIGEN_FROM_BYTES else "ynnpack"
 
 
-def products_options(kind: str) -> dict[str, str] | None:
-    """The extra CPU compiler options of a resolved :func:`resolve_cpu_products` choice."""
-    return dict(SEVERAL_ROW_CPU_OPTIONS) if kind == "eigen" else None
+def cpu_products_options(cfg, itemsize: int, choice: str = "auto") -> dict[str, str] | None:
+    """The extra CPU compiler options of a speculative program for this target and ``choice``
+    (:func:`resolve_cpu_products`): ``SEVERAL_ROW_CPU_OPTIONS`` for "eigen", None for "ynnpack"."""
+    return dict(SEVERAL_ROW_CPU_OPTIONS) if resolve_cpu_products(cfg, itemsize, choice) == "eigen" else None
 
 
 @functools.cache

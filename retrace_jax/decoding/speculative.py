@@ -26,7 +26,7 @@ from retrace_jax.decoding.buffers import spare_or_new
 from retrace_jax.decoding.commit import OutputBuffer, commit, stop_non_finite
 from retrace_jax.decoding.layer_loop import decode_weights, merge_target
 from retrace_jax.decoding.plain import StepConstants
-from retrace_jax.decoding.programs import DecodeProgram, products_options, resolve_cpu_products
+from retrace_jax.decoding.programs import DecodeProgram, cpu_products_options
 from retrace_jax.decoding.sampling import SamplingMode, SamplingParams, argmax, row_keys, step_keys
 from retrace_jax.decoding.verify import (
     accepted_count,
@@ -291,7 +291,7 @@ class SpeculativeStepper:
             return speculative_round(self._models(states, kept), consts, carry)
 
         # the products of several rows compiled as generate's "auto" compiles them for this target
-        products = products_options(resolve_cpu_products(target.cfg, target.dtype.itemsize))
+        products = cpu_products_options(target.cfg, target.dtype.itemsize)
         self._init = DecodeProgram(init, cpu_extra_options=products)
         self._step = DecodeProgram(step, donate_argnums=3, cpu_extra_options=products)  # in place
 

@@ -484,7 +484,7 @@ def run_stream(target_def, target_state, drafter_def, drafter_state, prompts, *,
     (``StreamResult.features``), as the generation computes them: no second pass over the text.
     Raises ``FloatingPointError`` for prompts whose target logits were not finite (the stream stops
     there; its caches are not kept). ``products``: the extra CPU compiler options that the chunk program
-    compiles with (``retrace_jax.decoding.programs.products_options``; None: its own)."""
+    compiles with (``retrace_jax.decoding.programs.cpu_products_options``; None: its own)."""
     queued = harvest_size = 2 * slots
     chunk = prefill_chunk(prompt_len)
     static = dict(slots=slots, max_len=spare_max_len(prompt_len, capacity, block_size, chunk), capacity=capacity,

@@ -236,8 +236,9 @@ def test_cpu_products_choose_the_speculative_programs_options(monkeypatch):
     assert programs.resolve_cpu_products(TINY_QWEN3, 4) == "ynnpack"
     assert programs.resolve_cpu_products(TINY_QWEN3, 4, "eigen") == "eigen"
     assert programs.resolve_cpu_products(qwen05, 4, "ynnpack") == "ynnpack"
-    assert programs.products_options("eigen") == programs.SEVERAL_ROW_CPU_OPTIONS
-    assert programs.products_options("ynnpack") is None
+    assert programs.cpu_products_options(qwen05, 4) == programs.SEVERAL_ROW_CPU_OPTIONS
+    assert programs.cpu_products_options(qwen05, 4, "ynnpack") is None
+    assert programs.cpu_products_options(TINY_QWEN3, 4) is None
 
     target = tiny_target()
     drafter = rj.init_drafter(target.cfg, mask_token_id=target.cfg.vocab_size - 1, num_layers=1, block_size=4)
