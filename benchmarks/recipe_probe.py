@@ -34,7 +34,8 @@ into ``ROOT/NAME/curve.json`` with the tokens seen so far; rerun, it goes on whe
 draws dev and fit τ of curves against steps and tokens seen. ``points CURVE [--against OTHER]`` prints a
 curve's points as a table, with paired 95% intervals of dev and fit τ against the previous point and of
 dev τ against another curve's point of the same step (only where both record the same dev sequences: each
-measured set carries a digest of its tokens).
+measured set carries a digest of its tokens). ``publish CURVE DEST`` copies a run's curve to its committed
+place, refusing where that would drop a point DEST holds (a run started again on a new machine).
 
 ``table`` prints one row per probe: dev τ at each block, its ratio to the baseline's at every block with a
 95% bootstrap interval over dev sequences (paired: every probe sees the same sequences), dev slot
@@ -553,6 +554,35 @@ def print_points(curve: dict, block: int | None = None, against: dict | None = N
     return rows
 
 
+def publish(source: str, dest: str) -> dict:
+    """``publish CURVE DEST``: copies a run's curve to its committed place, unless that would lose points:
+    where DEST already holds a curve with a step that CURVE lacks, or another dev set at a step both hold
+    (the run was started again, its checkpoints lost with the machine it ran on), it refuses and DEST stays
+    as it is. Returns the curve written."""
+    with open(source) as f:
+        new = json.load(f)
+    if os.path.exists(dest):
+        with open(dest) as f:
+            old = json.load(f)
+        new_points = {p["step"]: p for p in new["points"]}
+        lost = sorted(p["step"] for p in old["points"] if p["step"] not in new_points)
+        if lost:
+            raise SystemExit(f"{dest} holds the points of steps {lost}, which {source} lacks (a run started "
+                             "again?); it is left as it is: publish the new run under another name")
+        changed = sorted(p["step"] for p in old["points"]
+                         if _dev_digest(p) != _dev_digest(new_points[p["step"]]))
+        if changed:
+            raise SystemExit(f"{dest} was measured on other dev sequences at steps {changed} than {source}; "
+                             "it is left as it is")
+    os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
+    write_json(new, dest)
+    return new
+
+
+def _dev_digest(point: dict):
+    return point.get("dev", {}).get("digest")
+
+
 def snapshot(source: str, shards: int, dest: str) -> dict:
     """A fixed copy of the first ``shards`` finished shards of prepared data and of their kept features
     where there are any (hard links where the file system allows, copies otherwise) with a manifest that
@@ -636,6 +666,9 @@ def main(argv=None):
     t.add_argument("results", nargs="+", help="probe.json files")
     t.add_argument("--baseline", default="base")
     t.add_argument("--out", help="write the rows (with intervals) as JSON")
+    pb = sub.add_parser("publish", help="copy a run's curve.json to its committed place, never losing points")
+    pb.add_argument("curve", help="the run's curve.json")
+    pb.add_argument("dest", help="the committed curve (results/...)")
     n = sub.add_parser("snapshot", help="a fixed copy of the first shards of prepared data")
     n.add_argument("source", help="a prepared data directory (train.py --stage prepare)")
     n.add_argument("dest")
@@ -657,6 +690,8 @@ def main(argv=None):
         if args.every < 1:
             p.error("--every must be positive")
         return curve(args)
+    if args.command == "publish":
+        return publish(args.curve, args.dest)
     if args.command == "plot":
         return plot(args.curves, args.out, args.block)
     if args.command == "points":

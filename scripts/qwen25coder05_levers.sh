@@ -32,7 +32,17 @@ LEVERS=(
     "wide drafter.intermediate_size=4864"
     "layers3 drafter.num_layers=3 drafter.init_layers=[21,22,23]"
 )
-bash scripts/qwen25coder05_long.sh --shards 16 --until "$UNTIL" --set train.precision=float32  # the baseline
+# the baseline to the same step, unless its committed curve holds every point up to it already (its run's
+# checkpoints need not be on this machine)
+if ! python - "$OUT/tau_curve_2048.json" "$UNTIL" <<'PY'
+import json, os, sys
+path, until = sys.argv[1], int(sys.argv[2])
+steps = {p["step"] for p in json.load(open(path))["points"]} if os.path.exists(path) else set()
+sys.exit(0 if set(range(200, until + 1, 200)) <= steps else 1)
+PY
+then
+    bash scripts/qwen25coder05_long.sh --shards 16 --until "$UNTIL" --set train.precision=float32
+fi
 compared=()
 for line in "${LEVERS[@]}"; do
     read -r name overrides <<< "$line"

@@ -108,8 +108,8 @@ ship_drafter(rj.load_drafter(sys.argv[1], rj.load_target(sys.argv[2])), sys.argv
 fi
 python benchmarks/recipe_probe.py curve "$NAME" --config "$CONFIG" "${sets[@]}" ${EXTRA[@]+"${EXTRA[@]}"} --every 200 \
     ${UNTIL[@]+"${UNTIL[@]}"}
-mkdir -p "$(dirname "$OUT/$CURVE")"
-cp "runs/probes/$NAME/curve.json" "$OUT/$CURVE"
+# refused where the committed curve holds points this run lacks (a run started again on a new machine)
+python benchmarks/recipe_probe.py publish "runs/probes/$NAME/curve.json" "$OUT/$CURVE"
 if [ -n "$TAG" ]; then exit 0; fi
 curves=()
 for f in "$OUT"/tau_curve.json "$OUT"/tau_curve_[0-9]*.json; do if [ -f "$f" ]; then curves+=("$f"); fi; done

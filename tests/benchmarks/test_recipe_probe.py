@@ -222,3 +222,27 @@ def test_points_pair_each_point_with_the_previous_and_another_curve_of_the_same_
     assert np.isclose(rows[1]["dev_vs_previous"]["ratio"], 1.2) and rows[1]["dev_vs_against"] is None
     with pytest.raises(SystemExit, match="was not measured"):
         recipe_probe.print_points(a, 8)
+
+
+def test_publish_copies_a_curve_but_never_drops_the_points_its_destination_holds(tmp_path):
+    dev = np.linspace(1.0, 1.5, 8)
+
+    def curve(path, *points):
+        with open(path, "w") as f:
+            json.dump({"name": "c", "points": list(points)}, f)
+        return str(path)
+
+    dest = str(tmp_path / "results" / "tau_curve.json")
+    short = curve(tmp_path / "short.json", _point(200, dev, dev))
+    recipe_probe.main(["publish", short, dest])  # no destination yet: written
+    longer = curve(tmp_path / "longer.json", _point(200, dev, dev), _point(400, dev * 1.1, dev))
+    recipe_probe.main(["publish", longer, dest])  # every old point kept: the destination grows
+    with open(dest) as f:
+        assert [p["step"] for p in json.load(f)["points"]] == [200, 400]
+    with pytest.raises(SystemExit, match=r"steps \[400\], which .* lacks"):
+        recipe_probe.main(["publish", short, dest])  # a run started again from step 0
+    other = curve(tmp_path / "other.json", _point(200, dev, dev, digest="d2"), _point(400, dev, dev, digest="d2"))
+    with pytest.raises(SystemExit, match=r"other dev sequences at steps \[200, 400\]"):
+        recipe_probe.main(["publish", other, dest])
+    with open(dest) as f:
+        assert [p["step"] for p in json.load(f)["points"]] == [200, 400]  # both refusals left it as it was
