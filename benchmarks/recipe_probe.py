@@ -579,6 +579,17 @@ def publish(source: str, dest: str) -> dict:
     return new
 
 
+def missing_points(path: str, until: int, every: int) -> list[int]:
+    """``holds CURVE --until STEP --every N``: the steps of ``curve_points(STEP, N)`` that the curve at
+    ``path`` does not hold (all of them where there is no file): empty when a run to STEP need not train
+    again, e.g. a committed baseline whose checkpoints are not on this machine."""
+    held = set()
+    if os.path.exists(path):
+        with open(path) as f:
+            held = {p["step"] for p in json.load(f)["points"]}
+    return [s for s in curve_points(until, every) if s not in held]
+
+
 def _dev_digest(point: dict):
     return point.get("dev", {}).get("digest")
 
@@ -669,6 +680,11 @@ def main(argv=None):
     pb = sub.add_parser("publish", help="copy a run's curve.json to its committed place, never losing points")
     pb.add_argument("curve", help="the run's curve.json")
     pb.add_argument("dest", help="the committed curve (results/...)")
+    h = sub.add_parser("holds", help="exit 0 if a curve holds every point up to --until, 1 (listing the "
+                                     "missing steps) otherwise")
+    h.add_argument("curve", help="a curve.json file (need not exist)")
+    h.add_argument("--until", type=int, required=True, metavar="STEP")
+    h.add_argument("--every", type=int, required=True, help="the curve's measuring interval")
     n = sub.add_parser("snapshot", help="a fixed copy of the first shards of prepared data")
     n.add_argument("source", help="a prepared data directory (train.py --stage prepare)")
     n.add_argument("dest")
@@ -692,6 +708,14 @@ def main(argv=None):
         return curve(args)
     if args.command == "publish":
         return publish(args.curve, args.dest)
+    if args.command == "holds":
+        if min(args.until, args.every) < 1:
+            p.error("--until and --every must be positive")
+        missing = missing_points(args.curve, args.until, args.every)
+        if missing:
+            print(f"{args.curve} lacks the points of steps {missing}")
+            raise SystemExit(1)
+        return []
     if args.command == "plot":
         return plot(args.curves, args.out, args.block)
     if args.command == "points":

@@ -51,12 +51,7 @@ LEVERS=(
 )
 # the baseline to the same step, unless its committed curve holds every point up to it already (its run's
 # checkpoints need not be on this machine)
-if ! python - "$BASE" "$UNTIL" <<'PY'
-import json, os, sys
-path, until = sys.argv[1], int(sys.argv[2])
-steps = {p["step"] for p in json.load(open(path))["points"]} if os.path.exists(path) else set()
-sys.exit(0 if set(range(200, until + 1, 200)) <= steps else 1)
-PY
+if ! python benchmarks/recipe_probe.py holds "$BASE" --until "$UNTIL" --every 200
 then
     bash scripts/qwen25coder05_long.sh --shards 16 ${BASE_TAG[@]+"${BASE_TAG[@]}"} --until "$UNTIL" \
         --set train.precision="$PRECISION"

@@ -246,3 +246,18 @@ def test_publish_copies_a_curve_but_never_drops_the_points_its_destination_holds
         recipe_probe.main(["publish", other, dest])
     with open(dest) as f:
         assert [p["step"] for p in json.load(f)["points"]] == [200, 400]  # both refusals left it as it was
+
+
+def test_holds_says_whether_a_curve_has_every_point_up_to_a_step(tmp_path, capsys):
+    dev = np.linspace(1.0, 1.5, 8)
+    path = str(tmp_path / "curve.json")
+    with pytest.raises(SystemExit) as e:  # no curve yet: every step is missing
+        recipe_probe.main(["holds", path, "--until", "400", "--every", "200"])
+    assert e.value.code == 1 and "[200, 400]" in capsys.readouterr().out
+    with open(path, "w") as f:
+        json.dump({"name": "c", "points": [_point(200, dev, dev), _point(400, dev, dev)]}, f)
+    assert recipe_probe.main(["holds", path, "--until", "400", "--every", "200"]) == []
+    assert recipe_probe.missing_points(path, 600, 200) == [600]
+    assert recipe_probe.missing_points(path, 500, 200) == [500]  # a curve's last point need not be on the grid
+    with pytest.raises(SystemExit):
+        recipe_probe.main(["holds", path, "--until", "0", "--every", "200"])
