@@ -262,7 +262,8 @@ def curve(args) -> dict:
     point (its step, the tokens and response tokens seen since step 0, dev and fit τ per block with their
     per-sequence values, the slot acceptances) goes to ``ROOT/NAME/curve.json`` as soon as it is measured,
     so rerunning the same command goes on where it stopped, in another session too. ``--until STEP`` stops
-    after the points up to STEP: a lever compared with another curve at its first points."""
+    after the points up to STEP: a lever compared with another curve at its first points. A branch
+    (``train.branch_from``, ``train.branch_step``) measures only the points after its branch step."""
     import shutil
 
     import train as train_cli
@@ -294,7 +295,9 @@ def curve(args) -> dict:
         with open(path) as f:
             points = json.load(f)["points"]
     done = {p["step"] for p in points}
-    todo = [s for s in curve_points(t.steps, args.every) if s not in done and (args.until is None or s <= args.until)]
+    first = t.branch_step or 0  # a branch (train.branch_from) trains, and so measures, only past its start
+    todo = [s for s in curve_points(t.steps, args.every)
+            if s > first and s not in done and (args.until is None or s <= args.until)]
     train_args = ["--config", args.config] + [x for s in sets_args for x in ("--set", s)]
     data = SequenceData(cfg.data_dir, t.seq_len)
     blocks = [int(b) for b in args.blocks.split(",")]
@@ -310,7 +313,7 @@ def curve(args) -> dict:
             ckpts.close()
 
     for step in todo:
-        latest = max(saved_steps(), default=0)
+        latest = max(saved_steps(), default=first)
         if latest < step:
             train_cli.main(train_args + ["--stage", "train", "--set", f"train.stop_after={step - latest}"])
         if step not in saved_steps():  # stopped between training past it and measuring it, and its checkpoint is gone since

