@@ -33,8 +33,9 @@ steps, each resumed from the last one's checkpoint, and measures the drafter aft
 into ``ROOT/NAME/curve.json`` with the tokens seen so far; rerun, it goes on where it stopped. ``plot``
 draws dev and fit τ of curves against steps and tokens seen. ``points CURVE [--against OTHER]`` prints a
 curve's points as a table, with paired 95% intervals of dev and fit τ against the previous point and of
-dev τ against another curve's point of the same step (only where both record the same dev sequences: each
-measured set carries a digest of its tokens). ``publish CURVE DEST`` copies a run's curve to its committed
+dev τ against another curve's point of the same step, or with ``--against-step STEP`` its point at STEP (a
+checkpoint that ships, say; only where both record the same dev sequences: each measured set carries a
+digest of its tokens). ``publish CURVE DEST`` copies a run's curve to its committed
 place, refusing where that would drop a point DEST holds (a run started again on a new machine).
 
 ``table`` prints one row per probe: dev τ at each block, its ratio to the baseline's at every block with a
@@ -513,12 +514,14 @@ def _ratio_cell(r: dict | None) -> str:
     return f"{r['ratio']:.3f} [{r['low']:.3f}, {r['high']:.3f}]" if r["prompts"] else "no sequence with a block"
 
 
-def print_points(curve: dict, block: int | None = None, against: dict | None = None) -> list[dict]:
+def print_points(curve: dict, block: int | None = None, against: dict | None = None,
+                 against_step: int | None = None) -> list[dict]:
     """One row per point of a curve (``curve.json``): the tokens seen, dev τ per block, dev slot acceptance
     and fit τ at ``block`` (default: the smallest measured), the fit gap, and paired 95% intervals over the
     sequences of dev and fit τ at ``block`` against the previous point and, with ``against`` (another
     curve), of dev τ against its point of the same step where both record the same dev sequences (their
-    digest). Returns the rows."""
+    digest); with ``against_step`` too, against that one point of ``against`` (a checkpoint that ships, say)
+    at every step. Returns the rows."""
     points = curve["points"]
     if not points:
         raise SystemExit(f"curve {curve.get('name')!r} has no points yet")
@@ -527,11 +530,19 @@ def print_points(curve: dict, block: int | None = None, against: dict | None = N
     if int(b) not in blocks:
         raise SystemExit(f"--block {b} was not measured (blocks {blocks})")
     other = {p["step"]: p for p in (against or {}).get("points", [])}
+    if against_step is not None:
+        if against is None:
+            raise SystemExit("--against-step needs --against")
+        if against_step not in other:
+            raise SystemExit(f"curve {against.get('name')!r} has no point at step {against_step} "
+                             f"(its steps: {sorted(other)})")
+        other = {p["step"]: other[against_step] for p in points}
     head = ["step", "tokens / response tokens seen"] + [f"dev τ@{w}" for w in blocks]
     head += [f"dev slot acc 1-3 @{b}", f"fit τ@{b}", f"fit / dev @{b}", f"dev / previous @{b}",
              f"fit / previous @{b}"]
     if against is not None:
-        head.append(f"dev / {against.get('name')} @{b}")
+        head.append(f"dev / {against.get('name')}" + ("" if against_step is None else f" step {against_step}")
+                    + f" @{b}")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     rows, previous = [], None
     for p in points:
@@ -675,6 +686,8 @@ def main(argv=None):
     pt.add_argument("--block", type=int, default=None, help="the block of the slot, fit and interval columns "
                                                             "(default: the smallest measured)")
     pt.add_argument("--against", help="another curve.json, measured on the same dev sequences")
+    pt.add_argument("--against-step", type=int, metavar="STEP",
+                    help="compare every point with --against's point at STEP (default: its point of the same step)")
     pt.add_argument("--out", help="write the rows (with intervals) as JSON")
     t = sub.add_parser("table", help="compare probes' results")
     t.add_argument("results", nargs="+", help="probe.json files")
@@ -726,8 +739,9 @@ def main(argv=None):
         for path in [args.curve] + ([args.against] if args.against else []):
             with open(path) as f:
                 curves.append(json.load(f))
-        rows = print_points(curves[0], args.block, curves[1] if args.against else None)
-        write_json({"curve": args.curve, "against": args.against, "rows": rows}, args.out)
+        rows = print_points(curves[0], args.block, curves[1] if args.against else None, args.against_step)
+        write_json({"curve": args.curve, "against": args.against, "against_step": args.against_step, "rows": rows},
+                   args.out)
         return rows
     results = []
     for path in args.results:

@@ -228,6 +228,21 @@ def test_points_pair_each_point_with_the_previous_and_another_curve_of_the_same_
         recipe_probe.print_points(a, 8)
 
 
+def test_points_against_one_step_of_another_curve_pair_every_point_with_it(capsys):
+    rng = np.random.default_rng(1)
+    dev = 1 + rng.random(20)
+    shipped = {"name": "shipped", "points": [_point(800, dev, dev), _point(600, dev * 0.9, dev)]}
+    branch = {"name": "branch", "points": [_point(900, dev * 1.05, dev), _point(1000, dev * 1.1, dev)]}
+    assert [r["dev_vs_against"] for r in recipe_probe.print_points(branch, 4, shipped)] == [None, None]
+    rows = recipe_probe.print_points(branch, 4, shipped, against_step=800)
+    assert np.allclose([r["dev_vs_against"]["ratio"] for r in rows], [1.05, 1.1])
+    assert "dev / shipped step 800 @4" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"no point at step 700 \(its steps: \[600, 800\]\)"):
+        recipe_probe.print_points(branch, 4, shipped, against_step=700)
+    with pytest.raises(SystemExit, match="needs --against"):
+        recipe_probe.print_points(branch, 4, None, against_step=800)
+
+
 def test_publish_copies_a_curve_but_never_drops_the_points_its_destination_holds(tmp_path):
     dev = np.linspace(1.0, 1.5, 8)
 
