@@ -346,21 +346,39 @@ def curve(args) -> dict:
         return json.load(f)
 
 
+def _branch_of(curve: dict) -> tuple[str, int] | None:
+    """``(parent run name, branch step)`` of a branch's curve (``train.branch_from`` and ``train.branch_step``
+    among its ``--set`` values), or None."""
+    given = dict(s.split("=", 1) for s in curve.get("set", []) if "=" in s)
+    if "train.branch_from" not in given or "train.branch_step" not in given:
+        return None
+    return os.path.basename(os.path.normpath(given["train.branch_from"])), int(given["train.branch_step"])
+
+
 def plot(paths: list[str], out: str, block: int | None = None) -> None:
-    """Dev τ (solid) and fit τ (dashed) of each curve against steps and against tokens seen."""
+    """Dev τ (solid) and fit τ (dashed) of each curve against steps and against tokens seen. A branch's curve
+    (a cooldown, ``train.branch_from``) starts at its parent's point of the branch step where the parent is
+    plotted with a point there."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    curves = []
     for path in paths:
         with open(path) as f:
-            c = json.load(f)
+            curves.append(json.load(f))
+    by_name = {c["name"]: c for c in curves}
+    fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.2), sharey=True)
+    for c in curves:
         pts = c["points"]
         if not pts:
             continue
         b = str(block if block is not None else max(int(k) for k in pts[0]["dev"]["blocks"]))
+        branch = _branch_of(c)
+        if branch and branch[0] in by_name:
+            start = [p for p in by_name[branch[0]]["points"] if p["step"] == branch[1] and b in p["dev"]["blocks"]]
+            pts = start + pts
         for ax, key in zip(axes, ("step", "tokens_seen")):
             x = [p[key] for p in pts]
             line, = ax.plot(x, [p["dev"]["blocks"][b]["tau"] for p in pts], marker="o", label=f"{c['name']} dev")
@@ -371,9 +389,9 @@ def plot(paths: list[str], out: str, block: int | None = None) -> None:
     axes[1].set_xlabel("tokens seen")
     for ax in axes:
         ax.grid(alpha=0.3)
-    axes[0].legend()
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=120, bbox_inches="tight")
     print(out)
 
 

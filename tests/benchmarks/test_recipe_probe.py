@@ -97,8 +97,9 @@ def test_a_curve_trains_in_segments_measures_each_and_resumes(prepared, tmp_path
         recipe_probe.main(["curve", "long", *common, "--every", "4"])
     with pytest.raises(SystemExit, match="holds a run that is not a curve's"):
         recipe_probe.main(["curve", "base", *common, "--every", "5"])
+    assert recipe_probe._branch_of(branch) == ("long", 10) and recipe_probe._branch_of(c) is None
     image = tmp_path / "curve.png"
-    recipe_probe.main(["plot", str(path), "--out", str(image)])
+    recipe_probe.main(["plot", str(path), str(tmp_path / "long-branch" / "curve.json"), "--out", str(image)])
     assert image.stat().st_size > 1000
 
 
