@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import time
 
 import jax
@@ -172,6 +173,93 @@ def _check_kept_meta(out: str, meta: dict, finished: list[int], num_shards: int,
                                             f"store by a pass of the target"})
 
 
+REUSE_SAME = ("shard_size", "max_new_tokens", "temperature", "thinking", "seed")  # what makes a shard's responses
+
+
+def check_reuse_source(source: str, out: str, settings: PrepareSettings, target: dict) -> dict:
+    """The manifest of ``data.reuse_from``'s preparation ``source``, refused (``DataError``) where it is none,
+    is ``out`` itself, or was made by another ``target`` or with other settings of :data:`REUSE_SAME`."""
+    if os.path.realpath(source) == os.path.realpath(out):
+        raise DataError(f"data.reuse_from: {source} is this preparation's own directory (data.dir)")
+    manifest_path = os.path.join(source, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        raise DataError(f"data.reuse_from: {source} holds no prepared data (no {MANIFEST})")
+    with open(manifest_path) as f:
+        theirs = json.load(f)
+    ours = settings.record()
+    diff = settings_differences({k: theirs["settings"][k] for k in REUSE_SAME if k in theirs["settings"]},
+                                {k: ours.get(k) for k in REUSE_SAME})
+    if "target" in theirs:
+        diff.update(settings_differences({"precision": "float32", **theirs["target"]}, target))
+    else:
+        diff["target"] = ("not recorded", target["path"])
+    if diff:
+        raise DataError(f"data.reuse_from: {source} was prepared otherwise ({describe_differences(diff)}); its "
+                        f"responses are not what this preparation would regenerate")
+    return theirs
+
+
+def reuse_shards(source: str, theirs: dict, out: str, train_ids, shard_size: int, kept: dict | None, log) -> list[int]:
+    """``data.reuse_from``: copies into ``out`` the finished shards of the preparation ``source`` (its
+    manifest ``theirs``, from :func:`check_reuse_source`) that regeneration would write again: each holding
+    exactly ``train_ids``' prompts of its shard in their order (compared token for token), with their kept
+    features where ``kept`` (this preparation's ``data.keep_features``) asks for them, of the same layers. A
+    file is a hard link where the file system allows (no disk taken), a copy otherwise, a shard's features
+    before the shard (whose file marks it done). Shards that ``out`` has already, or that differ, are left
+    to regeneration. Returns the shards copied."""
+    features_there = kept is not None and read_kept_meta(source) == kept
+    num_shards = -(-len(train_ids) // shard_size)
+    have = set(finished_shards(out, {"done": []}, num_shards))
+    copied, differ = [], []
+    for i in sorted(set(theirs["done"])):
+        if i >= num_shards or i in have:
+            continue
+        shard = os.path.join(source, f"shard_{i:05d}.npz")
+        if not _holds_prompts(shard, train_ids[i * shard_size:(i + 1) * shard_size]) or (
+                kept is not None and not (features_there and os.path.isfile(kept_features_path(source, i)))):
+            differ.append(i)
+            continue
+        if kept is not None:
+            _link_or_copy(kept_features_path(source, i), kept_features_path(out, i))
+        _link_or_copy(shard, os.path.join(out, f"shard_{i:05d}.npz"))
+        copied.append(i)
+    log({"event": "reused_shards", "from": source, "shards": len(copied), "differ": len(differ),
+         **({"first_differing": differ[0]} if differ else {})})
+    if not copied and len(have) < num_shards:
+        log({"event": "warning", "message": f"data.reuse_from: no shard of {source} holds this preparation's prompts"
+                                            f"{' with the features it keeps' if kept is not None else ''}: they are "
+                                            f"all regenerated"})
+    return copied
+
+
+def _holds_prompts(path: str, prompts) -> bool:
+    """Whether the shard at ``path`` holds exactly ``prompts``, in order, each followed by its response."""
+    if not os.path.isfile(path):
+        return False
+    with np.load(path) as z:
+        tokens, mask, offsets = z["tokens"], z["loss_mask"], z["offsets"]
+    if len(offsets) - 1 != len(prompts):
+        return False
+    for j, p in enumerate(prompts):
+        seq, m = tokens[offsets[j]:offsets[j + 1]], mask[offsets[j]:offsets[j + 1]]
+        n = len(p)
+        if len(seq) < n or m[:n].any() or not np.array_equal(seq[:n], np.asarray(p, seq.dtype)) or (
+                len(seq) > n and not m[n:].all()):
+            return False
+    return True
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    tmp = dst + ".reuse.tmp"
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
 def _prepare(cfg: TrainConfig, log) -> str:
     d = cfg.data
     nproc, pid = jax.process_count(), jax.process_index()
@@ -189,6 +277,7 @@ def _prepare(cfg: TrainConfig, log) -> str:
     target_id = target_identity(cfg)
     eval_path = os.path.join(out, "eval_prompts.json")
     manifest = check_manifest(out, settings, target_id)  # every process checks (and fails alike) before any writes
+    reused = check_reuse_source(d.reuse_from, out, settings, target_id) if d.reuse_from is not None else None
     _check_eval_prompts(eval_path, eval_ids)
     layers, kept = None, None
     if d.keep_features:
@@ -205,6 +294,8 @@ def _prepare(cfg: TrainConfig, log) -> str:
             with open(os.path.join(out, KEPT + ".tmp"), "w") as f:
                 json.dump(kept, f)
             os.replace(os.path.join(out, KEPT + ".tmp"), os.path.join(out, KEPT))
+        if reused is not None:
+            reuse_shards(d.reuse_from, reused, out, train_ids, d.shard_size, kept, log)
         if nproc > 1:
             begin_manifest(out, settings, target=target_id)
     barrier("retrace_jax.prepare.begin")
