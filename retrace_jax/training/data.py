@@ -263,10 +263,10 @@ def _write_manifest(out_dir: str, manifest: dict) -> None:
         with open(tmp, "w") as f:
             json.dump(manifest, f)
 
-    _write_file(os.path.join(out_dir, MANIFEST), ".tmp", write)
+    write_file(os.path.join(out_dir, MANIFEST), ".tmp", write)
 
 
-def _write_file(path: str, suffix: str, write: Callable[[str], None]) -> None:
+def write_file(path: str, suffix: str, write: Callable[[str], None]) -> None:
     """``write(path + suffix)``, then renamed to ``path`` (readers see the whole file or none). A failed
     write (a full disk) removes the partial file and is an ``OSError`` naming ``path``."""
     tmp = path + suffix
@@ -390,12 +390,12 @@ def prepare_shards(out_dir: str, prompts_ids: Sequence[Sequence[int]], settings:
             kept = np.concatenate(features)
             if kept.shape[0] != offsets[-1]:
                 raise ValueError(f"shard {i}: {kept.shape[0]} positions of features for {offsets[-1]} tokens")
-            _write_file(kept_features_path(out_dir, i), f".tmp{process_index}.npy",
+            write_file(kept_features_path(out_dir, i), f".tmp{process_index}.npy",
                         lambda tmp, kept=kept: np.save(tmp, kept.view(disk_dtype(kept.dtype))))
             del kept
         path = _shard_path(out_dir, i)
         arrays = {"tokens": tokens, "loss_mask": mask, "offsets": offsets}
-        _write_file(path, f".tmp{process_index}.npz", lambda tmp, arrays=arrays: np.savez(tmp, **arrays))
+        write_file(path, f".tmp{process_index}.npz", lambda tmp, arrays=arrays: np.savez(tmp, **arrays))
         if process_count == 1:
             manifest["done"] = sorted(set(manifest["done"]) | {i})
             _write_manifest(out_dir, manifest)

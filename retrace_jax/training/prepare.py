@@ -52,6 +52,7 @@ from retrace_jax.training.data import (
     read_prompts,
     settings_differences,
     unrecorded,
+    write_file,
 )
 from retrace_jax.training.feature_store import KEPT, kept_features_meta, read_kept_meta
 from retrace_jax.training.lock import run_lock
@@ -211,8 +212,8 @@ def reuse_shards(source: str, theirs: dict, out: str, train_ids, shard_size: int
     num_shards = -(-len(train_ids) // shard_size)
     have = set(finished_shards(out, {"done": []}, num_shards))
     copied, differ = [], []
-    for i in sorted(set(theirs["done"])):
-        if i >= num_shards or i in have:
+    for i in finished_shards(source, theirs, num_shards):  # those on disk too (a preparation still going)
+        if i in have:
             continue
         shard = os.path.join(source, f"shard_{i:05d}.npz")
         if not _holds_prompts(shard, train_ids[i * shard_size:(i + 1) * shard_size]) or (
@@ -250,14 +251,17 @@ def _holds_prompts(path: str, prompts) -> bool:
 
 
 def _link_or_copy(src: str, dst: str) -> None:
-    tmp = dst + ".reuse.tmp"
-    if os.path.lexists(tmp):
-        os.remove(tmp)
-    try:
-        os.link(src, tmp)
-    except OSError:
-        shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+    """``src`` at ``dst``, in one rename: a hard link, or a copy where the file system has none (another
+    device); a failed copy (a full disk) is an ``OSError`` naming ``dst``."""
+    def write(tmp):
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
+
+    write_file(dst, ".reuse.tmp", write)
 
 
 def _prepare(cfg: TrainConfig, log) -> str:

@@ -116,3 +116,19 @@ def test_another_target_is_refused(tmp_path):
         json.dump(manifest, f)
     with pytest.raises(DataError, match="dtype: 'bfloat16' then, 'float32' now"):
         prepare(config(tmp_path, "new", reuse_from=source))
+
+
+def test_without_hard_links_the_shards_are_copied(tmp_path, monkeypatch):
+    source = prepare(config(tmp_path, "source"))
+
+    def no_links(src, dst):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", no_links)
+    events = []
+    out = prepare(config(tmp_path, "copy", reuse_from=source), events)
+    assert [e for e in events if e["event"] == "reused_shards"][0]["shards"] == 3
+    names = [f"shard_{i:05d}.npz" for i in range(3)] + [os.path.basename(kept_features_path(out, i)) for i in range(3)]
+    assert not any(os.path.samefile(os.path.join(source, n), os.path.join(out, n)) for n in names)
+    same_files(source, out, names)
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
