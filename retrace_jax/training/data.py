@@ -295,9 +295,7 @@ def check_manifest(out_dir: str, settings: PrepareSettings, target: dict | None 
     diff = settings_differences(existing["settings"], now)
     if diff:
         raise DataError(f"{out_dir} holds data prepared with other settings ({describe_differences(diff)}); {how}")
-    saved = existing.get("target")
-    if saved is not None and target is not None and "precision" in target:
-        saved = {"precision": "float32", **saved}  # recorded since target_precision exists; float32 before
+    saved = recorded_target(existing)
     diff = settings_differences(saved, target) if target is not None and saved is not None else {}
     if diff:
         moved = (f"; if it is the same model moved, set \"path\" in {manifest_path} to {target['path']!r}"
@@ -305,6 +303,13 @@ def check_manifest(out_dir: str, settings: PrepareSettings, target: dict | None 
         raise DataError(f"{out_dir} was prepared with another target: {_describe_target(saved)} then, "
                         f"{_describe_target(target)} now; {how}{moved}")
     return existing
+
+
+def recorded_target(manifest: dict) -> dict | None:
+    """The target a manifest records (None where an earlier release recorded none), its products float32
+    where it predates ``target_precision``."""
+    saved = manifest.get("target")
+    return None if saved is None else {"precision": "float32", **saved}
 
 
 def unrecorded(manifest: dict, settings: PrepareSettings, target: dict | None = None,

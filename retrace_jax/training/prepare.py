@@ -50,6 +50,7 @@ from retrace_jax.training.data import (
     load_tokenizer,
     prepare_shards,
     read_prompts,
+    recorded_target,
     settings_differences,
     unrecorded,
     write_file,
@@ -190,8 +191,9 @@ def check_reuse_source(source: str, out: str, settings: PrepareSettings, target:
     ours = settings.record()
     diff = settings_differences({k: theirs["settings"][k] for k in REUSE_SAME if k in theirs["settings"]},
                                 {k: ours.get(k) for k in REUSE_SAME})
-    if "target" in theirs:
-        diff.update(settings_differences({"precision": "float32", **theirs["target"]}, target))
+    saved = recorded_target(theirs)
+    if saved is not None:
+        diff.update(settings_differences(saved, target))
     else:
         diff["target"] = ("not recorded", target["path"])
     if diff:
